@@ -1,0 +1,81 @@
+"""Pretrain a Qwen2.5 / LLaMA-3.1 model with Megatron-Core worker groups on Ray.
+
+    python entrypoints/pretrain.py                       # the demo, on a local Ray
+    python entrypoints/pretrain.py --config run.yaml [section.field=value ...] [--dry-run]
+    ray job submit --working-dir . -- python entrypoints/pretrain.py --config run.yaml
+
+With RAY_ADDRESS set (as under ``ray job submit``) the job joins that cluster; otherwise it
+starts a local Ray that advertises simulated PPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ray_ppu.config.loader import ConfigError, load  # noqa: E402
+from ray_ppu.plan import build_plan  # noqa: E402
+
+DEMO_CONFIG = REPO / "entrypoints" / "configs" / "demo.yaml"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML run config (default: the demo)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config and the plan as JSON; start nothing")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    demo = args.config is None
+    try:
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always")
+            cfg = load(DEMO_CONFIG if demo else args.config, args.overrides)
+            plan = build_plan(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for note in notes:
+        logging.warning("%s", note.message)
+    if args.dry_run:
+        print(json.dumps({"config": cfg.to_dict(), "plan": plan.to_dict()}, indent=2))
+        return 0
+
+    from ray_ppu.launcher import ClusterError, launch
+    from ray_ppu.run import prepare_output
+
+    if demo:
+        from ray_ppu.data.preprocess import build_stdlib_corpus
+        from ray_ppu.data.tokenizer import qwen2
+
+        stats = build_stdlib_corpus(cfg.data.data_path[0], qwen2())
+        if stats:
+            logging.info("demo corpus: %d standard-library files, %d Qwen2 tokens -> %s",
+                         stats.documents, stats.tokens, stats.prefix)
+    prepare_output(cfg, plan)
+    try:
+        final = launch(cfg, plan)
+    except (ConfigError, ClusterError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: workers stopped", file=sys.stderr)
+        return 130
+    print(json.dumps({"final": final}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Build a RunConfig from a YAML file plus ``section.field=value`` overrides.
+
+Every key is checked against the dataclasses before anything else happens: an unknown key is
+an error that names it and suggests the closest known one, and a value of the wrong type names
+the key, the value and the type expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Literal, Union
+
+import yaml
+
+from ray_ppu.config.presets import PRESETS
+from ray_ppu.config.schema import ModelConfig, RunConfig
+
+
+_SCIENTIFIC = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before any worker starts."""
+
+
+def _did_you_mean(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check ``value`` against a field annotation, converting the lossless cases (1 -> 1.0)."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, where)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{where}={value!r}: expected one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(item, item_type, f"{where}[{i}]") for i, item in enumerate(items)]
+    if annotation in (int, float) and isinstance(value, str) and _SCIENTIFIC.fullmatch(value):
+        value = float(value)  # YAML 1.1 reads "1e10" (no dot) as a string
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # 1e10 in YAML is a float; train_tokens wants the integer
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    else:
+        raise TypeError(f"unsupported annotation {annotation!r} for {where}")
+    raise ConfigError(f"{where}={value!r}: expected {annotation.__name__}")
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not of the form section.field=value")
+    key, raw = text.split("=", 1)
+    # YAML typing: 2 -> int, 1e-4 -> float, true -> bool, [a, b] -> list, 1e10 -> float.
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    return key.strip().split("."), value
+
+
+def _merge(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(path)}: '{part}' is not a section")
+    node[path[-1]] = value
+
+
+def _build_section(cls: type, values: dict, section: str, base: Any = None) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key '{section}.{key}'{_did_you_mean(key, known)}")
+        kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
+    return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
+
+
+def _build_model(values: dict) -> ModelConfig:
+    values = dict(values)
+    name = values.pop("preset", "tiny")
+    if name not in PRESETS:
+        raise ConfigError(
+            f"unknown model.preset '{name}'{_did_you_mean(str(name), PRESETS)}; "
+            f"known presets: {', '.join(PRESETS)}"
+        )
+    return _build_section(ModelConfig, values, "model", base=PRESETS[name])
+
+
+def from_dict(tree: dict) -> RunConfig:
+    """Typed RunConfig from a nested dict (a parsed YAML file); unknown keys are errors."""
+    sections = {f.name: f for f in dataclasses.fields(RunConfig)}
+    hints = typing.get_type_hints(RunConfig)
+    built = {}
+    for name, values in (tree or {}).items():
+        if name not in sections:
+            raise ConfigError(f"unknown section '{name}'{_did_you_mean(name, sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"section '{name}' must be a mapping, got {values!r}")
+        if name == "model":
+            built[name] = _build_model(values)
+        else:
+            built[name] = _build_section(hints[name], values, name)
+    built.setdefault("model", PRESETS["tiny"])
+    return RunConfig(**built)
+
+
+def load(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Read ``path`` (YAML; None = all defaults) and apply ``section.field=value`` overrides."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for text in overrides:
+        keys, value = _parse_override(text)
+        if len(keys) != 2:
+            raise ConfigError(f"override '{text}': expected section.field=value")
+        _merge(tree, keys, value)
+    return from_dict(tree)

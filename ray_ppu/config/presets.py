@@ -1,0 +1,81 @@
+"""Model presets: the architecture numbers of published checkpoints, as data.
+
+Each entry copies the Hugging Face ``config.json`` named in its comment; field names are
+Megatron-Core's (``TransformerConfig`` / ``GPTModel``). HF → Megatron mapping:
+num_hidden_layers → num_layers, intermediate_size → ffn_hidden_size,
+num_key_value_heads → num_query_groups, rope_theta → rotary_base, rms_norm_eps → norm_epsilon,
+tie_word_embeddings → not untie_embeddings_and_output_weights. Qwen2 adds a bias to Q, K and V
+only (add_qkv_bias); LLaMA-3.1 uses no bias and "llama3" RoPE scaling with factor 8.
+"""
+
+from __future__ import annotations
+
+from ray_ppu.config.schema import ModelConfig
+
+
+def _qwen2_5(**arch) -> ModelConfig:
+    # Shared by every Qwen2.5 dense checkpoint: SwiGLU, RMSNorm, RoPE base 1e6, QKV bias.
+    return ModelConfig(rotary_base=1_000_000, norm_epsilon=1e-6, add_qkv_bias=True, **arch)
+
+
+def _llama3_1(**arch) -> ModelConfig:
+    # Shared by LLaMA-3.1: RoPE base 5e5 with llama3 scaling (factor 8), no biases, untied.
+    return ModelConfig(
+        rotary_base=500_000,
+        rope_scaling=True,
+        rope_scaling_factor=8.0,
+        norm_epsilon=1e-5,
+        add_qkv_bias=False,
+        vocab_size=128_256,
+        max_position_embeddings=131_072,
+        untie_embeddings_and_output_weights=True,
+        **arch,
+    )
+
+
+_PRESETS: dict[str, ModelConfig] = {
+    # Qwen/Qwen2.5-0.5B config.json
+    "0.5B": _qwen2_5(num_layers=24, hidden_size=896, ffn_hidden_size=4864,
+                     num_attention_heads=14, num_query_groups=2, vocab_size=151_936,
+                     max_position_embeddings=32_768, untie_embeddings_and_output_weights=False),
+    # Qwen/Qwen2.5-1.5B config.json
+    "1.5B": _qwen2_5(num_layers=28, hidden_size=1536, ffn_hidden_size=8960,
+                     num_attention_heads=12, num_query_groups=2, vocab_size=151_936,
+                     max_position_embeddings=131_072, untie_embeddings_and_output_weights=False),
+    # Qwen/Qwen2.5-3B config.json
+    "3B": _qwen2_5(num_layers=36, hidden_size=2048, ffn_hidden_size=11008,
+                   num_attention_heads=16, num_query_groups=2, vocab_size=151_936,
+                   max_position_embeddings=32_768, untie_embeddings_and_output_weights=False),
+    # Qwen/Qwen2.5-7B config.json
+    "7B": _qwen2_5(num_layers=28, hidden_size=3584, ffn_hidden_size=18944,
+                   num_attention_heads=28, num_query_groups=4, vocab_size=152_064,
+                   max_position_embeddings=131_072, untie_embeddings_and_output_weights=True),
+    # Qwen/Qwen2.5-14B config.json (rms_norm_eps 1e-5 from 14B up)
+    "14B": _qwen2_5(num_layers=48, hidden_size=5120, ffn_hidden_size=13824,
+                    num_attention_heads=40, num_query_groups=8, vocab_size=152_064,
+                    max_position_embeddings=131_072, untie_embeddings_and_output_weights=True)
+    .with_(norm_epsilon=1e-5),
+    # Qwen/Qwen2.5-32B config.json
+    "32B": _qwen2_5(num_layers=64, hidden_size=5120, ffn_hidden_size=27648,
+                    num_attention_heads=40, num_query_groups=8, vocab_size=152_064,
+                    max_position_embeddings=131_072, untie_embeddings_and_output_weights=True)
+    .with_(norm_epsilon=1e-5),
+    # Qwen/Qwen2.5-72B config.json
+    "72B": _qwen2_5(num_layers=80, hidden_size=8192, ffn_hidden_size=29568,
+                    num_attention_heads=64, num_query_groups=8, vocab_size=152_064,
+                    max_position_embeddings=131_072, untie_embeddings_and_output_weights=True)
+    .with_(norm_epsilon=1e-5),
+    # meta-llama/Llama-3.1-8B config.json
+    "llama3.1-8B": _llama3_1(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+                             num_attention_heads=32, num_query_groups=8),
+    # meta-llama/Llama-3.1-70B config.json
+    "llama3.1-70B": _llama3_1(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+                              num_attention_heads=64, num_query_groups=8),
+    # Not a published checkpoint: the Qwen2.5 architecture (GQA, QKV bias, SwiGLU, RMSNorm,
+    # tied embeddings, the Qwen2 vocabulary) shrunk so a CPU trains it in seconds.
+    "tiny": _qwen2_5(num_layers=2, hidden_size=64, ffn_hidden_size=176,
+                     num_attention_heads=4, num_query_groups=2, vocab_size=151_936,
+                     max_position_embeddings=32_768, untie_embeddings_and_output_weights=False),
+}
+
+PRESETS: dict[str, ModelConfig] = {name: arch.with_(preset=name) for name, arch in _PRESETS.items()}

@@ -1,0 +1,196 @@
+"""The run configuration: typed sections with a docstring on every field.
+
+Field names follow Megatron-Core (``TransformerConfig``, ``OptimizerConfig``,
+``initialize_model_parallel``) wherever Megatron has a name for the thing, so a Megatron user
+can read a config file without a dictionary, and ``--dry-run`` output matches Megatron's words.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only GPT (Qwen2.5 / LLaMA-3.1 family)."""
+
+    preset: Optional[str] = None
+    """Preset (ray_ppu.config.presets) the other fields started from; explicit keys override it."""
+    num_layers: int = 2
+    """Transformer layers (HF: num_hidden_layers)."""
+    hidden_size: int = 64
+    """Width of the residual stream (HF: hidden_size)."""
+    ffn_hidden_size: int = 176
+    """Width of the SwiGLU MLP (HF: intermediate_size)."""
+    num_attention_heads: int = 4
+    """Query heads (HF: num_attention_heads)."""
+    num_query_groups: int = 2
+    """Key/value heads for grouped-query attention (HF: num_key_value_heads)."""
+    vocab_size: int = 151_936
+    """Embedding rows of the published checkpoint, before padding for tensor parallelism."""
+    max_position_embeddings: int = 32_768
+    """Longest sequence the RoPE tables are built for; seq_length may not exceed it."""
+    rotary_base: int = 1_000_000
+    """RoPE base (HF: rope_theta)."""
+    rope_scaling: bool = False
+    """Apply LLaMA-3.1 ("llama3") RoPE frequency scaling."""
+    rope_scaling_factor: float = 8.0
+    """Scaling factor for rope_scaling (LLaMA-3.1: 8)."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon (HF: rms_norm_eps)."""
+    add_qkv_bias: bool = True
+    """Bias on the Q, K and V projections only (Qwen2: true; LLaMA: false)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer instead of reusing the input embedding (HF: not tie_word_embeddings)."""
+    init_method_std: float = 0.008
+    """Std of the normal weight initialisation (reference script: 0.008)."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP (the reference trains with 0)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (the reference trains with 0)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this × TP, as Megatron does."""
+
+    def with_(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def kv_channels(self) -> int:
+        """Per-head width: hidden_size / num_attention_heads."""
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
+        """Vocabulary padded so every TP rank holds an equal, aligned slice (Megatron's rule)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world is cut into Megatron-Core parallel groups (DP is derived)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: each layer's matrices split across this many devices (keep within a node)."""
+    pipeline_model_parallel_size: int = 1
+    """PP: layers split into this many sequential stages."""
+    context_parallel_size: int = 1
+    """CP: the sequence split across this many devices (needs Transformer Engine)."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout activations along the sequence inside the TP group (TP > 1 only)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Interleaved pipeline: layers per virtual stage (reference MP_VP); None = not interleaved."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batch sizes, length of training, optimizer and schedule."""
+
+    micro_batch_size: int = 1
+    """Samples per forward/backward pass on one DP rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step across all DP ranks (= micro × DP × microbatches)."""
+    seq_length: int = 128
+    """Tokens per sample."""
+    train_tokens: Optional[int] = None
+    """Pretraining length in tokens; train_iters = train_tokens // global_batch_size // seq_length."""
+    train_iters: Optional[int] = None
+    """Training length in iterations (used when train_tokens is not set)."""
+    lr_warmup_tokens: Optional[int] = None
+    """Linear warmup in tokens (pretraining); converted like train_tokens."""
+    lr_warmup_iters: int = 0
+    """Linear warmup in iterations (used when lr_warmup_tokens is not set)."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations of cosine decay; None = train_iters (pretraining), as the reference does."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    min_lr: float = 1e-6
+    """Learning rate at the end of the cosine decay."""
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    """Shape of the decay after warmup."""
+    weight_decay: float = 0.1
+    """Decoupled (AdamW) weight decay."""
+    adam_beta1: float = 0.9
+    """Adam β1."""
+    adam_beta2: float = 0.95
+    """Adam β2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across DP ranks (ZeRO-1, Megatron's distributed optimizer)."""
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """Parameter/compute dtype; bf16 and fp16 keep fp32 master weights in the optimizer."""
+    seed: int = 1234
+    """Base RNG seed (Megatron adds 100 × pipeline rank)."""
+    log_interval: int = 1
+    """Iterations between progress lines, metrics.jsonl rows and Ray Train reports."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where training samples come from."""
+
+    data_path: list[str] = field(default_factory=list)
+    """Megatron idxmap prefixes (``prefix.bin`` / ``prefix.idx``) to train on."""
+    split: str = "99,1,0"
+    """Train/validation/test split of the documents, in Megatron's "a,b,c" form."""
+    index_cache_dir: Optional[str] = None
+    """Where Megatron's document/sample/shuffle indices are cached (default: <output>/index_cache)."""
+    eod_token_id: int = 151_643
+    """End-of-document token appended between documents (Qwen2: <|endoftext|> = 151643)."""
+    reader_cpus: float = 0.5
+    """Logical CPUs each Ray Data read task reserves."""
+    prefetch_batches: int = 4
+    """Microbatches each data-reading rank keeps in flight ahead of the training loop."""
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where the run writes."""
+
+    dir: str = "outputs/run"
+    """Output directory: resolved config, metrics.jsonl, TensorBoard events, index cache."""
+    name: Optional[str] = None
+    """Run name shown by Ray Train (default: the output directory's name)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under <dir>/tensorboard."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Which Ray resources the workers take and which device backend they run."""
+
+    num_workers: int = 2
+    """Workers in the group: one per PPU (the world size)."""
+    ppu_per_worker: float = 1
+    """PPU resource units each worker holds (1 = one device)."""
+    cpus_per_worker: float = 1
+    """Logical CPUs each worker holds, besides its PPU."""
+    device: Literal["auto", "ppu", "cpu"] = "auto"
+    """ppu: torch.cuda + NCCL (PPU or NVIDIA); cpu: gloo on CPU; auto: ppu when CUDA is usable."""
+    resource_name: str = "PPU"
+    """Name of the custom Ray resource that counts devices on a node."""
+    simulated_ppus: int = 0
+    """Embedded local Ray only: PPU units to advertise (0 = num_workers × ppu_per_worker)."""
+    max_failures: int = 0
+    """Worker-group restarts Ray Train attempts after a failure (-1 = unlimited)."""
+    placement_timeout_s: float = 30.0
+    """How long to wait for the cluster to show enough PPU before failing."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one training run needs; ``ray_ppu.config.load`` builds and validates it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,58 @@
+"""Device backends: which accelerator a worker drives and how it talks to its peers.
+
+``ppu``: the PPU's CUDA-compatible stack (torch.cuda + NCCL); runs unchanged on NVIDIA GPUs.
+``cpu``: gloo on the CPU, for laptops and CI; Megatron-Core's CUDA requests are answered by
+:mod:`ray_ppu.devices.cpu_shim`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, Literal
+
+import torch
+
+Backend = Literal["ppu", "cpu"]
+
+log = logging.getLogger(__name__)
+
+
+def resolve(requested: str) -> Backend:
+    """``auto`` → ``ppu`` when this process can use a CUDA(-compatible) device, else ``cpu``."""
+    if requested == "auto":
+        return "ppu" if torch.cuda.is_available() else "cpu"
+    if requested == "ppu" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "cluster.device=ppu but torch.cuda reports no device in this process; "
+            "check the PPU driver/runtime, or use cluster.device=cpu"
+        )
+    if requested not in ("ppu", "cpu"):
+        raise ValueError(f"unknown device backend {requested!r}: expected auto, ppu or cpu")
+    return requested  # type: ignore[return-value]
+
+
+def dist_backend(backend: Backend) -> str:
+    """torch.distributed backend for a device backend (PPU speaks NCCL through its CCL)."""
+    return "nccl" if backend == "ppu" else "gloo"
+
+
+def torch_device(backend: Backend) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "ppu" else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def bound(backend: Backend, device_id: int) -> Iterator[None]:
+    """Run the body with this thread bound to its device.
+
+    ppu: ``torch.cuda.set_device(device_id)``; the id is the one Ray assigned (never rewrite
+    CUDA_VISIBLE_DEVICES here: CUDA may already be initialised). cpu: the CUDA→CPU shim.
+    """
+    if backend == "ppu":
+        torch.cuda.set_device(device_id)
+        yield
+    else:
+        from ray_ppu.devices.cpu_shim import cpu_mode
+
+        with cpu_mode():
+            yield

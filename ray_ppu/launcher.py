@@ -1,0 +1,205 @@
+"""The driver side: Ray cluster, preflight checks, and the Ray Train TorchTrainer.
+
+The only module (with ``ray_ppu.data.ray_stream``) that imports Ray. Workers run
+:func:`_train_worker`, which adapts Ray Train (dataset shard, PPU id, reports) to the Ray-free
+:func:`ray_ppu.worker.run`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Optional
+
+import ray
+import ray.train
+from ray.train import FailureConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from ray_ppu import devices
+from ray_ppu.config.loader import ConfigError
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.data import idxmap
+from ray_ppu.data.ray_stream import IdxmapDataConfig, iterations_dataset
+from ray_ppu.plan import Plan
+
+log = logging.getLogger("ray_ppu")
+
+# Ray's default list of accelerator resources whose units get instance ids, plus PPU: with this
+# in the raylet's environment, Ray hands each worker distinct PPU ids (DESIGN.md §4).
+UNIT_INSTANCE_RESOURCES = "neuron_cores,TPU,NPU,HPU,RBLN,FURIOSA,TTNPU,MBLT,PPU"
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot run the requested job (found before any worker is placed)."""
+
+
+def connect(cfg: RunConfig) -> bool:
+    """Join the cluster in RAY_ADDRESS (as under ``ray job submit``), else start a local Ray.
+
+    The local Ray advertises simulated PPUs (``cluster.simulated_ppus``, default: as many as
+    the run needs) with per-unit ids. Returns True when this call started Ray.
+    """
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return False
+    os.environ.setdefault("RAY_custom_unit_instance_resources", UNIT_INSTANCE_RESOURCES)
+    c = cfg.cluster
+    ppus = c.simulated_ppus or int(c.num_workers * c.ppu_per_worker)
+    # Logical CPUs: the workers' own plus room for Ray Data read tasks; the OS shares the cores.
+    cpus = max(os.cpu_count() or 1, int(c.num_workers * c.cpus_per_worker) + 4)
+    ray.init(num_cpus=cpus, resources={c.resource_name: ppus}, include_dashboard=False,
+             log_to_driver=True)
+    return True
+
+
+def check_capacity(cfg: RunConfig) -> None:
+    """Fail at once, with what each node has, if the cluster lacks the PPUs for this run."""
+    c = cfg.cluster
+    need = c.num_workers * c.ppu_per_worker
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    per_node = {n["NodeManagerAddress"] + "/" + n["NodeID"][:8]: n["Resources"].get(c.resource_name, 0)
+                for n in nodes}
+    have = sum(per_node.values())
+    fits = sum(int(v // c.ppu_per_worker) for v in per_node.values()) if c.ppu_per_worker else c.num_workers
+    if have < need or fits < c.num_workers:
+        listing = ", ".join(f"{k}: {v:g}" for k, v in per_node.items()) or "no alive nodes"
+        raise ClusterError(
+            f"the run needs {c.num_workers} workers × {c.ppu_per_worker:g} {c.resource_name} = "
+            f"{need:g} {c.resource_name}, but the cluster has {have:g} ({listing}); "
+            f"lower cluster.num_workers or add nodes started with --resources='{{\"{c.resource_name}\": 16}}'"
+        )
+
+
+@ray.remote(num_cpus=1)
+def _prepare_index(spec: idxmap.SampleSpec) -> int:
+    return idxmap.prepare(spec)
+
+
+def assigned_device_id(resource_name: str) -> int:
+    """The PPU id Ray assigned this worker; LOCAL_RANK (with a warning) when Ray has none."""
+    ids: list = []
+    try:  # private API (DESIGN.md §4): ids exist only when the raylet knows PPU as a unit resource
+        worker = ray._private.worker.global_worker
+        ids = worker.get_accelerator_ids_for_accelerator_resource(
+            resource_name, rf"^{resource_name}_group_[0-9A-Za-z]+$"
+        )
+    except Exception as err:  # pragma: no cover - depends on Ray internals
+        log.debug("no %s ids from Ray: %s", resource_name, err)
+    if ids:
+        return int(ids[0])
+    local_rank = ray.train.get_context().get_local_rank()
+    log.warning(
+        "Ray assigned no %s ids to this worker (start raylets with "
+        "RAY_custom_unit_instance_resources including %s); using local rank %d",
+        resource_name, resource_name, local_rank,
+    )
+    return local_rank
+
+
+def _train_worker(payload: dict) -> dict:
+    """Ray Train's train_loop_per_worker: adapt Ray to :func:`ray_ppu.worker.run`."""
+    from ray_ppu import worker
+
+    if not logging.getLogger("ray_ppu").handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logging.getLogger("ray_ppu").addHandler(handler)
+        logging.getLogger("ray_ppu").setLevel(logging.INFO)
+    cfg: RunConfig = payload["cfg"]
+    plan: Plan = payload["plan"]
+    backend: devices.Backend = payload["backend"]
+
+    shard = ray.train.get_dataset_shard("train")  # None on ranks that read no data
+    batches = None
+    if shard is not None:
+        batches = iter(shard.iter_batches(batch_size=plan.micro_batch_size, batch_format="numpy",
+                                          prefetch_batches=cfg.data.prefetch_batches))
+    device_id = assigned_device_id(cfg.cluster.resource_name) if backend == "ppu" else 0
+    return worker.run(cfg, plan, backend, device_id, batches, report=ray.train.report)
+
+
+def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend) -> TorchTrainer:
+    """TorchTrainer with one worker per PPU, the idxmap stream, and the failure policy."""
+    c = cfg.cluster
+    spec = idxmap.spec_for(cfg, plan)
+    output = Path(cfg.output.dir).expanduser().resolve()
+    return TorchTrainer(
+        _train_worker,
+        train_loop_config={"cfg": cfg, "plan": plan, "backend": backend},
+        # Explicit: TorchConfig(backend=None) would pick gloo for a custom resource like PPU.
+        torch_config=TorchConfig(backend=devices.dist_backend(backend)),
+        scaling_config=ScalingConfig(
+            num_workers=c.num_workers,
+            use_gpu=False,  # PPUs are a custom resource; binding is ours (assigned_device_id)
+            resources_per_worker={c.resource_name: c.ppu_per_worker, "CPU": c.cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.output.name or output.name,
+            storage_path=str(output / "ray_train"),
+            failure_config=FailureConfig(max_failures=c.max_failures),
+        ),
+        datasets={"train": iterations_dataset(plan.train_iters)},
+        dataset_config=IdxmapDataConfig(
+            spec,
+            plan.tensor_model_parallel_size,
+            plan.pipeline_model_parallel_size,
+            plan.context_parallel_size,
+            plan.global_batch_size,
+            cfg.data.reader_cpus,
+        ),
+    )
+
+
+def launch(cfg: RunConfig, plan: Plan) -> dict:
+    """Run the job on Ray; returns rank 0's last logged metrics.
+
+    1. Connect to the cluster (or start a local Ray with simulated PPUs).
+    2. Preflight: enough PPU for the world size; the corpus exists.
+    3. Build Megatron's sample indices once, in one Ray task, into the shared cache.
+    4. TorchTrainer.fit(): one worker per PPU, each joining the Megatron worker group.
+    5. Stop cleanly on Ctrl-C / SIGTERM (``ray job stop``): workers end with the driver.
+    """
+    started = connect(cfg)
+    # ray job stop sends SIGTERM: turn it into KeyboardInterrupt so the finally-block runs.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        check_capacity(cfg)
+        backend = _resolve_backend(cfg)
+        spec = idxmap.spec_for(cfg, plan)
+        try:
+            samples = ray.get(_prepare_index.remote(spec))
+        except ray.exceptions.RayTaskError as err:
+            cause = err.as_instanceof_cause()
+            if isinstance(cause, (FileNotFoundError, ValueError)):
+                raise ConfigError(str(cause).splitlines()[-1]) from None
+            raise
+        log.info("index cache %s: %d training samples for %d needed",
+                 spec.index_cache_dir, samples, plan.train_samples)
+        result = build_trainer(cfg, plan, backend).fit()
+        if result.error is not None:
+            raise result.error
+        return result.return_value or {}
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if started:
+            ray.shutdown()
+
+
+def _resolve_backend(cfg: RunConfig) -> devices.Backend:
+    """The device backend, decided where the workers will run (a node holding PPUs)."""
+    c = cfg.cluster
+    probe = ray.remote(devices.resolve).options(
+        num_cpus=0, resources={c.resource_name: c.ppu_per_worker}
+    )
+    try:
+        return ray.get(probe.remote(c.device), timeout=c.placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ClusterError(
+            f"no node could take one worker's {c.ppu_per_worker:g} {c.resource_name} within "
+            f"{c.placement_timeout_s:g} s (cluster.placement_timeout_s)"
+        ) from None

@@ -1,0 +1,252 @@
+"""Derived numbers of a run: parallel layout, batch arithmetic, schedule length, FLOPs, size.
+
+Everything here is pure arithmetic on the RunConfig (no Ray, no torch), so ``--dry-run`` can
+print it on a laptop and the launcher can reject a bad run before placing any worker. Field
+names are Megatron-Core's (``num_microbatches``, ``train_iters``, ``lr_warmup_iters``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+from ray_ppu.config.loader import ConfigError
+from ray_ppu.config.schema import RunConfig
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """World size cut into TP × CP × DP × PP, in Megatron's default rank order tp-cp-ep-dp-pp."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "cp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        model_parallel = self.tp * self.pp * self.cp
+        if self.world_size % model_parallel:
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by "
+                f"TP {self.tp} × PP {self.pp} × CP {self.cp} = {model_parallel}"
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """(tp, cp, dp, pp) ranks of a global rank; tp varies fastest, pp slowest."""
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+    def data_ranks(self) -> Iterator[tuple[int, int]]:
+        """(global rank, dp rank) of every rank that reads data.
+
+        As in Megatron: the first TP rank of the first pipeline stage (tokens, positions) and of
+        the last stage (labels, loss mask), for every DP and CP rank; it broadcasts the batch to
+        the rest of its TP group. Middle pipeline stages read nothing.
+        """
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            if c["tp"] == 0 and c["pp"] in (0, self.pp - 1):
+                yield rank, c["dp"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The numbers a run is built from, printed by ``--dry-run``."""
+
+    world_size: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    data_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None
+    sequence_parallel: bool
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    seq_length: int
+    train_iters: int
+    lr_warmup_iters: int
+    lr_decay_iters: int
+    train_samples: int
+    train_tokens: int
+    padded_vocab_size: int
+    kv_channels: int
+    num_parameters: int
+    num_parameters_per_device: int
+    flops_per_iteration: float
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(
+            self.world_size,
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.context_parallel_size,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
+    """Megatron-LM's ``num_floating_point_operations`` for a dense GQA model with SwiGLU.
+
+    Forward + backward = 3 × forward, 2 FLOPs per multiply-add, hence the 6s. Core attention
+    counts QKᵀ and AV, halved for the causal mask: 6·s²·q per layer and sample.
+    """
+    m, t = cfg.model, cfg.training
+    h, L, s, B = m.hidden_size, m.num_layers, t.seq_length, t.global_batch_size
+    q = m.kv_channels * m.num_attention_heads
+    k = m.kv_channels * m.num_query_groups
+    f = m.ffn_hidden_size
+    per_layer = 6 * h * (q + 2 * k) + 6 * q * h + 6 * h * f * 3  # QKV, proj, SwiGLU (3 mats)
+    return B * s * (L * per_layer + 6 * h * padded_vocab_size) + B * s * s * L * 6 * q
+
+
+def _parameter_counts(cfg: RunConfig, dims: ParallelDims, padded_vocab: int) -> tuple[int, int]:
+    """Total parameters and the most any one device holds (TP splits matrices, PP layers)."""
+    m = cfg.model
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q = m.kv_channels * m.num_attention_heads
+    k = m.kv_channels * m.num_query_groups
+    qkv_bias = (q + 2 * k) if m.add_qkv_bias else 0
+    layer_split = h * (q + 2 * k) + qkv_bias + q * h + 3 * h * f  # divided by TP
+    layer_replicated = 2 * h  # the two RMSNorms
+    embedding = padded_vocab * h
+    output = embedding if m.untie_embeddings_and_output_weights else 0
+    total = m.num_layers * (layer_split + layer_replicated) + embedding + output + h
+    layers_per_stage = m.num_layers // dims.pp
+    stage = layers_per_stage * (layer_split // dims.tp + layer_replicated)
+    first = stage + embedding // dims.tp
+    # The last stage holds the final norm and the output layer; with tied embeddings and PP > 1
+    # Megatron keeps a copy of the embedding there too.
+    last = stage + h + (embedding // dims.tp if (output or dims.pp > 1) else 0)
+    per_device = max(first, last) if dims.pp > 1 else first + h + output // dims.tp
+    return total, per_device
+
+
+def build_plan(cfg: RunConfig) -> Plan:
+    """Validate the config against itself and derive the plan; ConfigError lists every problem.
+
+    1. Parallel layout: world size divisible by TP × PP × CP.
+    2. Model against layout: heads and KV groups by TP, layers by PP (× virtual stages).
+    3. Batch arithmetic: global batch = micro batch × DP × microbatches.
+    4. Sequence: seq_length within max_position_embeddings.
+    5. Schedule: train / warmup / decay iterations (tokens → iterations as the reference does).
+    """
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    problems: list[str] = []
+    notes: list[str] = []
+    try:
+        dims = ParallelDims(cfg.cluster.num_workers, p.tensor_model_parallel_size,
+                            p.pipeline_model_parallel_size, p.context_parallel_size)
+    except ConfigError as err:
+        problems.append(str(err))
+        dims = None
+
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if m.num_attention_heads % tp:
+        problems.append(f"num_attention_heads {m.num_attention_heads} is not divisible by TP {tp}")
+    if m.num_query_groups % tp:
+        problems.append(f"num_query_groups {m.num_query_groups} is not divisible by TP {tp}")
+    if m.num_attention_heads % m.num_query_groups:
+        problems.append(f"num_attention_heads {m.num_attention_heads} is not divisible by "
+                        f"num_query_groups {m.num_query_groups}")
+    if m.hidden_size % m.num_attention_heads:
+        problems.append(f"hidden_size {m.hidden_size} is not divisible by "
+                        f"num_attention_heads {m.num_attention_heads}")
+    if m.num_layers % pp:
+        problems.append(f"num_layers {m.num_layers} is not divisible by PP {pp}")
+    vpp = None
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        per_vstage = p.num_layers_per_virtual_pipeline_stage
+        if pp < 2:
+            problems.append(f"num_layers_per_virtual_pipeline_stage {per_vstage} needs PP > 1, got PP {pp}")
+        elif per_vstage < 1 or m.num_layers % (pp * per_vstage):
+            problems.append(f"num_layers {m.num_layers} is not divisible by PP {pp} × "
+                            f"num_layers_per_virtual_pipeline_stage {per_vstage} = {pp * per_vstage}")
+        else:
+            vpp = m.num_layers // pp // per_vstage
+    sequence_parallel = p.sequence_parallel
+    if sequence_parallel and tp == 1:
+        notes.append("sequence_parallel needs TP > 1; turned off (TP 1), as the reference script does")
+        sequence_parallel = False
+
+    num_microbatches = 0
+    if dims is not None:
+        per_step = t.micro_batch_size * dims.dp
+        if t.micro_batch_size < 1 or t.global_batch_size % per_step:
+            problems.append(
+                f"global_batch_size {t.global_batch_size} is not divisible by "
+                f"micro_batch_size {t.micro_batch_size} × DP {dims.dp} = {per_step}"
+            )
+        else:
+            num_microbatches = t.global_batch_size // per_step
+    if t.seq_length > m.max_position_embeddings:
+        problems.append(f"seq_length {t.seq_length} exceeds max_position_embeddings "
+                        f"{m.max_position_embeddings}")
+
+    tokens_per_iter = t.global_batch_size * t.seq_length
+    if t.train_tokens is not None:
+        train_iters = t.train_tokens // tokens_per_iter
+    elif t.train_iters is not None:
+        train_iters = t.train_iters
+    else:
+        problems.append("set training.train_tokens (pretraining) or training.train_iters")
+        train_iters = 0
+    if train_iters < 1 and (t.train_tokens is not None or t.train_iters is not None):
+        problems.append(f"training length is {train_iters} iterations (train_tokens "
+                        f"{t.train_tokens} < global_batch_size × seq_length = {tokens_per_iter}?)")
+    if t.lr_warmup_tokens is not None:
+        warmup = t.lr_warmup_tokens // tokens_per_iter
+    else:
+        warmup = t.lr_warmup_iters
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else train_iters
+    if warmup > decay and not problems:
+        problems.append(f"lr_warmup_iters {warmup} exceeds lr_decay_iters {decay}")
+    if cfg.data.data_path == []:
+        problems.append("data.data_path is empty: name at least one idxmap prefix")
+
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    for note in notes:
+        warnings.warn(note, stacklevel=2)
+
+    padded_vocab = m.padded_vocab_size(tp)
+    total, per_device = _parameter_counts(cfg, dims, padded_vocab)
+    return Plan(
+        world_size=dims.world_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=dims.cp,
+        data_parallel_size=dims.dp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel,
+        micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        num_microbatches=num_microbatches,
+        seq_length=t.seq_length,
+        train_iters=train_iters,
+        lr_warmup_iters=warmup,
+        lr_decay_iters=decay,
+        train_samples=train_iters * t.global_batch_size,
+        train_tokens=train_iters * tokens_per_iter,
+        padded_vocab_size=padded_vocab,
+        kv_channels=m.kv_channels,
+        num_parameters=total,
+        num_parameters_per_device=per_device,
+        flops_per_iteration=float(flops_per_iteration(cfg, padded_vocab)),
+        warnings=tuple(notes),
+    )

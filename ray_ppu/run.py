@@ -1,0 +1,32 @@
+"""Run bookkeeping shared by the entry points: output directory and start-of-run log."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import yaml
+
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.plan import Plan
+
+log = logging.getLogger("ray_ppu")
+
+
+def prepare_output(cfg: RunConfig, plan: Plan) -> Path:
+    """Create the output directory, save the resolved config and plan, log the derived numbers."""
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
+    log.info(
+        "world %d = TP %d × CP %d × PP %d × DP %d | global batch %d = DP %d × micro %d × %d microbatches"
+        " | %d iterations × %d tokens = %.3g tokens | %.3g params (%.3g per device) | %.3g FLOPs/iter",
+        plan.world_size, plan.tensor_model_parallel_size, plan.context_parallel_size,
+        plan.pipeline_model_parallel_size, plan.data_parallel_size, plan.global_batch_size,
+        plan.data_parallel_size, plan.micro_batch_size, plan.num_microbatches, plan.train_iters,
+        plan.global_batch_size * plan.seq_length, plan.train_tokens, plan.num_parameters,
+        plan.num_parameters_per_device, plan.flops_per_iteration,
+    )
+    return out

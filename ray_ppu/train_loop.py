@@ -1,0 +1,172 @@
+"""The training loop: Megatron-Core's schedule over microbatches, then an optimizer step.
+
+Imports no Ray. The caller hands in this rank's microbatch iterator (None on ranks that read
+no data) and an ``on_log`` callback; the same loop runs under Ray Train and under torchrun.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
+
+from ray_ppu.plan import Plan
+
+Microbatch = dict  # tokens, labels, loss_mask, position_ids: [micro_batch_size, seq_length]
+_INT_KEYS = ("tokens", "labels", "position_ids")
+
+
+def _as_tensors(batch: dict, device: torch.device) -> dict:
+    return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device) -> dict:
+    """Next microbatch for this model chunk, broadcast from TP rank 0 to its TP group.
+
+    First pipeline stage needs tokens and positions, the last needs labels and the loss mask;
+    chunks in between need nothing (Megatron's get_batch contract).
+    """
+    pre = get_attr_wrapped_model(model, "pre_process")
+    post = get_attr_wrapped_model(model, "post_process")
+    if not (pre or post):
+        return {}
+    data = None
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        data = _as_tensors(next(batches), device)
+    ints = tensor_parallel.broadcast_data(list(_INT_KEYS), data, torch.int64)
+    floats = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)
+    return {**ints, **floats}
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked token losses, the token count, and both for logging (Megatron's 3-tuple)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), mask.sum().detach()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(batches, model, device: torch.device):
+    batch = get_batch(batches, model, device)
+    output = model(
+        batch.get("tokens"),
+        batch.get("position_ids"),
+        None,  # attention mask: causal, built by the attention module
+        labels=batch.get("labels"),
+    )
+    return output, partial(loss_func, batch.get("loss_mask"))
+
+
+@dataclass
+class _Window:
+    """Sums over the iterations since the last log line."""
+
+    start: float
+    iterations: int = 0
+    skipped: int = 0
+    loss_sum: Optional[torch.Tensor] = None  # [masked loss sum, token count] on the last stage
+    grad_norm: float = 0.0
+
+
+def _reduce_loss(window: _Window, device: torch.device) -> float:
+    """Token-weighted mean loss over the window, averaged over DP and known on every rank."""
+    stats = window.loss_sum if window.loss_sum is not None else torch.zeros(2, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        dist.all_reduce(stats, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        last = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast(stats, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    return (stats[0] / stats[1].clamp(min=1)).item()
+
+
+def train(
+    plan: Plan,
+    model: list,
+    optimizer,
+    scheduler,
+    batches: Optional[Iterator[Microbatch]],
+    device: torch.device,
+    log_interval: int,
+    on_log: Callable[[dict], None],
+    start_iteration: int = 0,
+) -> dict:
+    """Run iterations ``start_iteration .. plan.train_iters``; returns the last logged metrics.
+
+    Each iteration: zero grads → ``forward_backward_func`` over ``plan.num_microbatches``
+    microbatches (Megatron picks no-pipelining, 1F1B or interleaved from the parallel state) →
+    optimizer step (clips, steps, and with the distributed optimizer all-gathers params) →
+    scheduler step by the global batch in samples. Every ``log_interval`` iterations the window's
+    numbers are reduced and handed to ``on_log`` on every rank.
+    """
+    config = get_attr_wrapped_model(model[0], "config")
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
+
+    forward_backward = get_forward_backward_func()
+    step = partial(forward_step, device=device)
+    data = [batches] * len(model)  # one per virtual stage; only first/last chunks pull from it
+    tokens_per_iteration = plan.global_batch_size * plan.seq_length
+    window = _Window(start=time.perf_counter())
+    metrics: dict = {}
+    run_start = time.perf_counter()
+
+    for iteration in range(start_iteration, plan.train_iters):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=step,
+            data_iterator=data if len(model) > 1 else batches,
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=plan.num_microbatches,
+            seq_length=plan.seq_length,
+            micro_batch_size=plan.micro_batch_size,
+            decoder_seq_length=plan.seq_length,
+            forward_only=False,
+        )
+        updated, grad_norm, _ = optimizer.step()
+        if updated:
+            scheduler.step(increment=plan.global_batch_size)
+            window.grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+        else:
+            window.skipped += 1  # fp16 overflow: Megatron skips the step and lowers the scale
+        for report in losses:
+            stats = report["lm loss"]
+            window.loss_sum = stats if window.loss_sum is None else window.loss_sum + stats
+        window.iterations += 1
+
+        done = iteration + 1
+        if done % log_interval == 0 or done == plan.train_iters:
+            lm_loss = _reduce_loss(window, device)  # syncs: the window's work is finished
+            now = time.perf_counter()
+            elapsed = now - window.start
+            step_time = elapsed / window.iterations
+            remaining = plan.train_iters - done
+            metrics = {
+                "iteration": done,
+                "train_iters": plan.train_iters,
+                "consumed_samples": done * plan.global_batch_size,
+                "lm_loss": lm_loss,
+                "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": window.grad_norm,
+                "skipped_iterations": window.skipped,
+                "step_time_s": step_time,
+                "tokens_per_s": tokens_per_iteration / step_time,
+                "elapsed_s": time.perf_counter() - run_start,
+                "eta_s": remaining * step_time,
+            }
+            window = _Window(start=now)  # on_log's cost (e.g. a Ray report) counts in the next window
+            on_log(metrics)
+    return metrics
