@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from ray_ppu.config.loader import ConfigError, load  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
+from ray_ppu.run import absolute_paths, prepare_output  # noqa: E402
 
 DEMO_CONFIG = REPO / "entrypoints" / "configs" / "demo.yaml"
 
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     try:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")
-            cfg = load(DEMO_CONFIG if demo else args.config, args.overrides)
+            cfg = absolute_paths(load(DEMO_CONFIG if demo else args.config, args.overrides))
             plan = build_plan(cfg)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -54,7 +55,6 @@ def main(argv=None) -> int:
         return 0
 
     from ray_ppu.launcher import ClusterError, launch
-    from ray_ppu.run import prepare_output
 
     if demo:
         from ray_ppu.data.preprocess import build_stdlib_corpus

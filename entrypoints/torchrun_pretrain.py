@@ -22,6 +22,7 @@ from ray_ppu import devices, worker  # noqa: E402
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.data import idxmap, local  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
+from ray_ppu.run import absolute_paths  # noqa: E402
 
 
 def main() -> None:
@@ -30,8 +31,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
 
-    cfg = load(args.config, args.overrides)
+    cfg = absolute_paths(load(args.config, args.overrides))
     plan = build_plan(cfg)
     backend = devices.resolve(cfg.cluster.device)
     dist.init_process_group(backend=devices.dist_backend(backend))

@@ -15,6 +15,7 @@ from typing import Optional
 
 import ray
 import ray.train
+import torch
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -52,8 +53,7 @@ def connect(cfg: RunConfig) -> bool:
     ppus = c.simulated_ppus or int(c.num_workers * c.ppu_per_worker)
     # Logical CPUs: the workers' own plus room for Ray Data read tasks; the OS shares the cores.
     cpus = max(os.cpu_count() or 1, int(c.num_workers * c.cpus_per_worker) + 4)
-    ray.init(num_cpus=cpus, resources={c.resource_name: ppus}, include_dashboard=False,
-             log_to_driver=True)
+    ray.init(num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
     return True
 
 
@@ -101,15 +101,28 @@ def assigned_device_id(resource_name: str) -> int:
     return local_rank
 
 
+def _quiet_worker_logs() -> None:
+    """Our progress lines once each; Ray Train's per-report INFO lines and Megatron's
+    per-parameter listings off (they drown the progress report in the job log)."""
+    ours = logging.getLogger("ray_ppu")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+    from ray.train.v2._internal.execution import context as train_context
+
+    # Ray Train logs every report at INFO under its file's path as the logger name.
+    for name in ("ray.train", "megatron.core", train_context.__file__):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _train_worker(payload: dict) -> dict:
     """Ray Train's train_loop_per_worker: adapt Ray to :func:`ray_ppu.worker.run`."""
     from ray_ppu import worker
 
-    if not logging.getLogger("ray_ppu").handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        logging.getLogger("ray_ppu").addHandler(handler)
-        logging.getLogger("ray_ppu").setLevel(logging.INFO)
+    _quiet_worker_logs()
     cfg: RunConfig = payload["cfg"]
     plan: Plan = payload["plan"]
     backend: devices.Backend = payload["backend"]
@@ -119,8 +132,14 @@ def _train_worker(payload: dict) -> dict:
     if shard is not None:
         batches = iter(shard.iter_batches(batch_size=plan.micro_batch_size, batch_format="numpy",
                                           prefetch_batches=cfg.data.prefetch_batches))
+    # As many compute threads as CPUs Ray reserved for this worker (torchrun sets
+    # OMP_NUM_THREADS=1 likewise); torch's default, every core, oversubscribes the node.
+    torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
     device_id = assigned_device_id(cfg.cluster.resource_name) if backend == "ppu" else 0
-    return worker.run(cfg, plan, backend, device_id, batches, report=ray.train.report)
+    # No ray.train.report per log line: Ray Train drains one report per health-check interval
+    # (2 s), so frequent reports would throttle training. Metrics go to metrics.jsonl and
+    # TensorBoard; the final metrics come back as the run's return value.
+    return worker.run(cfg, plan, backend, device_id, batches)
 
 
 def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend) -> TorchTrainer:
@@ -180,6 +199,7 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             raise
         log.info("index cache %s: %d training samples for %d needed",
                  spec.index_cache_dir, samples, plan.train_samples)
+        ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
         result = build_trainer(cfg, plan, backend).fit()
         if result.error is not None:
             raise result.error

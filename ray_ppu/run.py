@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -12,6 +13,21 @@ from ray_ppu.config.schema import RunConfig
 from ray_ppu.plan import Plan
 
 log = logging.getLogger("ray_ppu")
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def absolute_paths(cfg: RunConfig) -> RunConfig:
+    """Paths resolved against the submitting directory: workers run in other directories."""
+    data = dataclasses.replace(
+        cfg.data,
+        data_path=[_absolute(p) for p in cfg.data.data_path],
+        index_cache_dir=_absolute(cfg.data.index_cache_dir) if cfg.data.index_cache_dir else None,
+    )
+    output = dataclasses.replace(cfg.output, dir=_absolute(cfg.output.dir))
+    return dataclasses.replace(cfg, data=data, output=output)
 
 
 def prepare_output(cfg: RunConfig, plan: Plan) -> Path:

@@ -7,7 +7,7 @@ both call :func:`run` after creating the default process group.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -25,14 +25,13 @@ def run(
     backend: devices.Backend,
     device_id: int,
     batches: Optional[Iterator[dict]],
-    report: Callable[[dict], None] = lambda metrics: None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
     1. Bind the device (PPU id, or the CPU shim) for this thread.
     2. Megatron parallel groups and seeds on the existing process group.
     3. GPTModel chunks in Megatron DDP; Megatron optimizer and LR schedule.
-    4. The loop; rank 0 writes metrics.jsonl / TensorBoard, every rank calls ``report``.
+    4. The loop; rank 0 writes metrics.jsonl, TensorBoard and the progress line.
     5. Tear down the parallel groups (the process group belongs to the caller).
     """
     from ray_ppu.model import build_model
@@ -44,7 +43,6 @@ def run(
     def on_log(metrics: dict) -> None:
         if writer is not None:
             writer.write(metrics)
-        report(metrics)
 
     with devices.bound(backend, device_id):
         parallel.initialize(plan, cfg.training.seed)

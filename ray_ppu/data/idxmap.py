@@ -76,8 +76,10 @@ def _build(spec: SampleSpec):
         eod_mask_loss=False,
         create_attention_mask=False,  # causal mask comes from the attention module
     )
+    # Validation/test get one epoch of their split (None), never 0: Megatron's epoch count loops
+    # forever on a split that asks for samples but holds no documents.
     train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [spec.num_samples, 0, 0], lambda: True, config
+        GPTDataset, [spec.num_samples, None, None], lambda: True, config
     ).build()
     if train is None or len(train) == 0:
         raise ValueError(f"no training samples in {list(spec.data_path)} with split {spec.split}")

@@ -24,10 +24,19 @@ def _iteration_numbers(batch: Dict[str, np.ndarray], start: int) -> Dict[str, np
     return {"iteration": batch["id"] + start}
 
 
-def _read_iterations(batch: Dict[str, np.ndarray], spec: idxmap.SampleSpec, dp_rank: int,
-                     dp_size: int, global_batch_size: int) -> Dict[str, np.ndarray]:
-    ids = rank_sample_ids(batch["iteration"], dp_rank, dp_size, global_batch_size)
-    return idxmap.read(spec, ids)
+class _RankReader:
+    """A Ray Data actor reading one DP rank's samples: opens the corpus and Megatron's cached
+    indices once (mmap), then turns iteration numbers into that rank's microbatch rows."""
+
+    def __init__(self, spec: idxmap.SampleSpec, dp_rank: int, dp_size: int,
+                 global_batch_size: int) -> None:
+        self.spec, self.dp_rank, self.dp_size = spec, dp_rank, dp_size
+        self.global_batch_size = global_batch_size
+        idxmap.dataset(spec)
+
+    def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        ids = rank_sample_ids(batch["iteration"], self.dp_rank, self.dp_size, self.global_batch_size)
+        return idxmap.read(self.spec, ids)
 
 
 def iterations_dataset(train_iters: int, start_iteration: Callable[[], int] = lambda: 0):
@@ -69,12 +78,15 @@ class IdxmapDataConfig(ray.train.DataConfig):
         for name, ds in datasets.items():
             for rank, dp_rank in dims.data_ranks():
                 rank_ds = ds.map_batches(
-                    _read_iterations,
+                    _RankReader,
+                    fn_constructor_kwargs=dict(spec=self.spec, dp_rank=dp_rank, dp_size=dims.dp,
+                                               global_batch_size=self.global_batch_size),
+                    # One long-lived reader per rank: a process per read task would pay the
+                    # torch/Megatron import each time and crowd the training processes' cores.
+                    concurrency=1,
                     batch_size=1,  # one iteration's samples per call: low latency to first batch
                     batch_format="numpy",
                     num_cpus=self.reader_cpus,
-                    fn_kwargs=dict(spec=self.spec, dp_rank=dp_rank,
-                                   dp_size=dims.dp, global_batch_size=self.global_batch_size),
                 )
                 # Samples must arrive in training order: the order is the data contract.
                 rank_ds.context.execution_options.preserve_order = True

@@ -1,0 +1,40 @@
+"""Shared fixtures: one real local Ray for the whole session, and a real idxmap corpus."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SIMULATED_PPUS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray whose raylet advertises 4 simulated PPUs with per-unit ids."""
+    import ray
+
+    from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES
+
+    os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
+    ray.init(num_cpus=8, resources={"PPU": SIMULATED_PPUS}, include_dashboard=False,
+             log_to_driver=True)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    """Standard-library sources tokenized with the real Qwen2 BPE into a Megatron idxmap."""
+    from ray_ppu.data.preprocess import stdlib_sources, write_idxmap
+    from ray_ppu.data.tokenizer import qwen2
+
+    prefix = tmp_path_factory.mktemp("corpus") / "stdlib_text_document"
+    stats = write_idxmap(stdlib_sources(600_000), qwen2(), prefix)
+    assert stats.tokens > 100_000
+    return str(prefix)

@@ -1,0 +1,203 @@
+"""Config loading and the validation that happens before any worker starts."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ray_ppu.config.loader import ConfigError, load
+from ray_ppu.plan import ParallelDims, build_plan, flops_per_iteration
+
+from conftest import REPO
+
+BASE = ["data.data_path=[corpus]", "training.train_iters=10"]
+
+# The reference script's 7B pretraining settings on one 16-PPU node.
+REFERENCE_7B = [
+    "model.preset=7B", "cluster.num_workers=16", "parallel.tensor_model_parallel_size=1",
+    "parallel.pipeline_model_parallel_size=1", "training.micro_batch_size=1",
+    "training.global_batch_size=256", "training.seq_length=4096", "training.train_tokens=1e10",
+    "training.lr_warmup_tokens=1e6", "data.data_path=[corpus]",
+]
+
+
+def plan_of(*overrides):
+    return build_plan(load(None, list(overrides)))
+
+
+def problems_of(*overrides) -> str:
+    with pytest.raises(ConfigError) as err:
+        plan_of(*overrides)
+    return str(err.value)
+
+
+def test_reference_7b_plan():
+    plan = plan_of(*REFERENCE_7B)
+    assert plan.data_parallel_size == 16
+    assert plan.num_microbatches == 16  # 256 = 16 DP × 1 mbs × 16 microbatches
+    assert plan.train_iters == 9536  # 1e10 // 256 // 4096
+    assert plan.lr_warmup_iters == 0  # 1e6 // 256 // 4096
+    assert plan.lr_decay_iters == 9536
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  preset: 3B\n  num_layers: 4\ntraining:\n  train_tokens: 2e9\n"
+                    "  lr: 1e-4\ndata:\n  data_path: corpus\n")
+    cfg = load(path, ["parallel.tensor_model_parallel_size=2", "training.lr=3e-4"])
+    assert cfg.model.preset == "3B" and cfg.model.num_layers == 4 and cfg.model.hidden_size == 2048
+    assert cfg.training.train_tokens == 2_000_000_000 and isinstance(cfg.training.train_tokens, int)
+    assert cfg.training.lr == 3e-4
+    assert cfg.data.data_path == ["corpus"]
+    assert cfg.parallel.tensor_model_parallel_size == 2
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown key 'parallel.tensor_parallel_size'.*tensor_model_parallel_size"):
+        load(None, ["parallel.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"unknown section 'trainig'.*training"):
+        load(None, ["trainig.lr=1"])
+    with pytest.raises(ConfigError, match=r"unknown model.preset '7b'.*7B"):
+        load(None, ["model.preset=7b"])
+
+
+def test_wrong_type_names_key_and_value():
+    with pytest.raises(ConfigError, match=r"training.micro_batch_size='two': expected int"):
+        load(None, ["training.micro_batch_size=two"])
+    with pytest.raises(ConfigError, match=r"training.precision='fp64'.*'bf16'"):
+        load(None, ["training.precision=fp64"])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml does not exist"):
+        load(tmp_path / "nope.yaml")
+
+
+def test_world_not_divisible_by_model_parallel():
+    msg = problems_of(*BASE, "cluster.num_workers=6", "parallel.tensor_model_parallel_size=2",
+                      "parallel.pipeline_model_parallel_size=2")
+    assert "world size 6 is not divisible by TP 2 × PP 2 × CP 1 = 4" in msg
+
+
+def test_heads_and_groups_not_divisible_by_tp():
+    msg = problems_of(*BASE, "model.preset=7B", "cluster.num_workers=8",
+                      "parallel.tensor_model_parallel_size=8", "training.global_batch_size=8")
+    assert "num_attention_heads 28 is not divisible by TP 8" in msg
+    assert "num_query_groups 4 is not divisible by TP 8" in msg
+
+
+def test_layers_not_divisible_by_pp_or_virtual_stages():
+    assert "num_layers 28 is not divisible by PP 3" in problems_of(
+        *BASE, "model.preset=7B", "cluster.num_workers=3", "parallel.pipeline_model_parallel_size=3",
+        "training.global_batch_size=3")
+    assert "num_layers 28 is not divisible by PP 2 × num_layers_per_virtual_pipeline_stage 3 = 6" in problems_of(
+        *BASE, "model.preset=7B", "cluster.num_workers=2", "parallel.pipeline_model_parallel_size=2",
+        "parallel.num_layers_per_virtual_pipeline_stage=3")
+    plan = plan_of(*BASE, "model.preset=7B", "cluster.num_workers=2",
+                   "parallel.pipeline_model_parallel_size=2",
+                   "parallel.num_layers_per_virtual_pipeline_stage=7")
+    assert plan.virtual_pipeline_model_parallel_size == 2  # 28 layers / 2 stages / 7 per chunk
+
+
+def test_global_batch_not_divisible():
+    msg = problems_of(*BASE, "cluster.num_workers=4", "training.micro_batch_size=2",
+                      "training.global_batch_size=12")
+    assert "global_batch_size 12 is not divisible by micro_batch_size 2 × DP 4 = 8" in msg
+
+
+def test_seq_length_beyond_max_positions():
+    msg = problems_of(*BASE, "model.preset=0.5B", "training.seq_length=65536")
+    assert "seq_length 65536 exceeds max_position_embeddings 32768" in msg
+
+
+def test_all_problems_reported_together():
+    msg = problems_of(*BASE, "cluster.num_workers=3", "parallel.tensor_model_parallel_size=2",
+                      "training.seq_length=100000")
+    assert "world size 3" in msg and "seq_length 100000" in msg
+
+
+def test_sequence_parallel_without_tp_warns_and_turns_off():
+    with pytest.warns(UserWarning, match="sequence_parallel needs TP > 1"):
+        plan = plan_of(*BASE, "parallel.sequence_parallel=true")
+    assert plan.sequence_parallel is False
+    assert plan_of(*BASE, "parallel.sequence_parallel=true", "cluster.num_workers=2",
+                   "parallel.tensor_model_parallel_size=2").sequence_parallel is True
+
+
+def test_training_length_required():
+    assert "set training.train_tokens" in problems_of("data.data_path=[corpus]")
+
+
+def test_parallel_dims_rank_order_matches_megatron_default():
+    dims = ParallelDims(world_size=16, tp=2, pp=2, cp=2)  # DP = 2
+    # tp fastest, then cp, then dp, then pp (Megatron order "tp-cp-ep-dp-pp")
+    assert dims.coordinates(0) == {"tp": 0, "cp": 0, "dp": 0, "pp": 0}
+    assert dims.coordinates(1) == {"tp": 1, "cp": 0, "dp": 0, "pp": 0}
+    assert dims.coordinates(2) == {"tp": 0, "cp": 1, "dp": 0, "pp": 0}
+    assert dims.coordinates(4) == {"tp": 0, "cp": 0, "dp": 1, "pp": 0}
+    assert dims.coordinates(8) == {"tp": 0, "cp": 0, "dp": 0, "pp": 1}
+    readers = list(dims.data_ranks())
+    # TP rank 0 of the first and last stage, for each (cp, dp): 2 stages × 2 cp × 2 dp
+    assert len(readers) == 8 and all(dims.coordinates(r)["tp"] == 0 for r, _ in readers)
+
+
+def _megatron_lm_flops(B, s, L, h, heads, groups, ffn, vocab):
+    """Megatron-LM training.py num_floating_point_operations, dense, GQA, SwiGLU, written out
+    in that function's own terms (expansion factor, attention and MLP terms)."""
+    kv_channels = h // heads
+    query_projection_size = kv_channels * heads
+    query_projection_to_hidden_size_ratio = query_projection_size / h
+    gated_linear_multiplier = 3 / 2
+    expansion_factor = 3 * 2 * 2
+    return (
+        expansion_factor * B * s * L * h * h
+        * (
+            (1 + (groups / heads) + (s / h / 2)) * query_projection_to_hidden_size_ratio
+            + (ffn / h) * gated_linear_multiplier
+        )
+        + expansion_factor * B * s * h * vocab / 2  # logits: 6·B·s·h·V
+    )
+
+
+@pytest.mark.parametrize("preset,layout", [("7B", (1, 1)), ("72B", (8, 4)), ("tiny", (2, 1))])
+def test_flops_per_iteration_equal_megatron_lm(preset, layout):
+    tp, pp = layout
+    cfg = load(None, [*BASE, f"model.preset={preset}", f"cluster.num_workers={tp * pp}",
+                      f"parallel.tensor_model_parallel_size={tp}",
+                      f"parallel.pipeline_model_parallel_size={pp}",
+                      "training.global_batch_size=256", "training.seq_length=4096"])
+    plan = build_plan(cfg)
+    m = cfg.model
+    expected = _megatron_lm_flops(256, 4096, m.num_layers, m.hidden_size, m.num_attention_heads,
+                                  m.num_query_groups, m.ffn_hidden_size, plan.padded_vocab_size)
+    assert flops_per_iteration(cfg, plan.padded_vocab_size) == pytest.approx(expected, rel=1e-12)
+    assert plan.flops_per_iteration == pytest.approx(expected, rel=1e-12)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, str(REPO / "entrypoints" / "pretrain.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_dry_run_prints_plan_with_megatron_names():
+    proc = _cli("--dry-run", *REFERENCE_7B)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    plan, model = out["plan"], out["config"]["model"]
+    assert (plan["data_parallel_size"], plan["num_microbatches"]) == (16, 16)
+    assert (plan["train_iters"], plan["lr_warmup_iters"]) == (9536, 0)
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "vocab_size"):
+        assert key in model
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                "sequence_parallel", "micro_batch_size", "global_batch_size", "seq_length",
+                "lr_decay_iters", "kv_channels", "flops_per_iteration", "num_parameters_per_device"):
+        assert key in plan
+    assert plan["kv_channels"] == 128
+
+
+def test_cli_rejects_bad_config_before_starting_anything():
+    proc = _cli("--dry-run", *BASE, "cluster.num_workers=3", "parallel.tensor_model_parallel_size=2")
+    assert proc.returncode == 2
+    assert "world size 3 is not divisible by TP 2 × PP 1 × CP 1 = 2" in proc.stderr

@@ -1,0 +1,61 @@
+"""Every shipped preset against the numbers published in its Hugging Face config.json."""
+
+import pytest
+
+from ray_ppu.config.presets import PRESETS
+from ray_ppu.config.loader import load
+from ray_ppu.plan import build_plan
+
+# (num_hidden_layers, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
+#  vocab_size, max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings)
+PUBLISHED = {
+    "0.5B": (24, 896, 4864, 14, 2, 151936, 32768, 1_000_000, 1e-6, True),
+    "1.5B": (28, 1536, 8960, 12, 2, 151936, 131072, 1_000_000, 1e-6, True),
+    "3B": (36, 2048, 11008, 16, 2, 151936, 32768, 1_000_000, 1e-6, True),
+    "7B": (28, 3584, 18944, 28, 4, 152064, 131072, 1_000_000, 1e-6, False),
+    "14B": (48, 5120, 13824, 40, 8, 152064, 131072, 1_000_000, 1e-5, False),
+    "32B": (64, 5120, 27648, 40, 8, 152064, 131072, 1_000_000, 1e-5, False),
+    "72B": (80, 8192, 29568, 64, 8, 152064, 131072, 1_000_000, 1e-5, False),
+    "llama3.1-8B": (32, 4096, 14336, 32, 8, 128256, 131072, 500_000, 1e-5, False),
+    "llama3.1-70B": (80, 8192, 28672, 64, 8, 128256, 131072, 500_000, 1e-5, False),
+}
+
+# Parameter counts published on the model cards (billions), as a cross-check of the layout.
+PUBLISHED_PARAMS_B = {"0.5B": 0.49, "1.5B": 1.54, "3B": 3.09, "7B": 7.61, "14B": 14.7,
+                      "32B": 32.5, "72B": 72.7, "llama3.1-8B": 8.03, "llama3.1-70B": 70.6}
+
+
+def test_every_published_preset_is_covered():
+    assert set(PRESETS) - {"tiny"} == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_matches_config_json(name):
+    m = PRESETS[name]
+    layers, hidden, ffn, heads, kv, vocab, max_pos, theta, eps, tied = PUBLISHED[name]
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (layers, hidden, ffn)
+    assert (m.num_attention_heads, m.num_query_groups) == (heads, kv)
+    assert (m.vocab_size, m.max_position_embeddings) == (vocab, max_pos)
+    assert m.rotary_base == theta and m.norm_epsilon == eps
+    assert m.untie_embeddings_and_output_weights == (not tied)
+    is_qwen = not name.startswith("llama")
+    assert m.add_qkv_bias == is_qwen  # Qwen2 has QKV bias, LLaMA none
+    assert m.rope_scaling == (not is_qwen) and (is_qwen or m.rope_scaling_factor == 8.0)
+    assert m.preset == name
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_count_matches_model_card(name):
+    plan = build_plan(load(None, [f"model.preset={name}", "training.train_iters=1",
+                                  "cluster.num_workers=1", "training.global_batch_size=1",
+                                  "data.data_path=[x]"]))
+    # Padded vocabulary adds a little over the card's count; 1.5% covers rounding on the cards.
+    assert plan.num_parameters / 1e9 == pytest.approx(PUBLISHED_PARAMS_B[name], rel=0.015)
+
+
+def test_tiny_preset_has_the_qwen2_5_architecture():
+    tiny, small = PRESETS["tiny"], PRESETS["0.5B"]
+    assert tiny.vocab_size == small.vocab_size  # trains on real Qwen2 tokens
+    for field in ("rotary_base", "norm_epsilon", "add_qkv_bias", "untie_embeddings_and_output_weights"):
+        assert getattr(tiny, field) == getattr(small, field), field
+    assert tiny.num_attention_heads % tiny.num_query_groups == 0 and tiny.num_query_groups > 1

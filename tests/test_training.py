@@ -1,0 +1,99 @@
+"""The tiny preset trained under the real Ray Train TorchTrainer on simulated PPU resources.
+
+Every run here is a real worker group: Ray Train places one worker per PPU unit, Ray Data
+streams the idxmap samples, Megatron-Core trains over gloo with the CPU shim.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ray_ppu.config.loader import load
+from ray_ppu.launcher import ClusterError, launch
+from ray_ppu.plan import build_plan
+from ray_ppu.run import absolute_paths, prepare_output
+
+from conftest import REPO, SIMULATED_PPUS
+
+pytestmark = pytest.mark.slow
+
+ITERS = 8
+
+
+def overrides(corpus, out, *extra):
+    return [
+        f"data.data_path=[{corpus}]", f"output.dir={out}", "output.tensorboard=false",
+        "cluster.device=cpu", "training.precision=fp32",
+        f"training.train_iters={ITERS}", "training.global_batch_size=4", "training.micro_batch_size=1",
+        "training.seq_length=32", "training.lr=3e-3", "training.min_lr=3e-4",
+        "training.lr_warmup_iters=1", "training.log_interval=1",
+        # 151936 is a multiple of 64 × TP for TP ≤ 2: the padded vocabulary, hence the
+        # initial weights, are the same at TP 1 and TP 2.
+        "model.make_vocab_size_divisible_by=64",
+        *extra,
+    ]
+
+
+def losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["iteration"] for r in rows] == list(range(1, ITERS + 1))
+    return [r["lm_loss"] for r in rows]
+
+
+def train_on_ray(corpus, out, *extra):
+    cfg = absolute_paths(load(None, overrides(corpus, out, *extra)))
+    plan = build_plan(cfg)
+    prepare_output(cfg, plan)
+    final = launch(cfg, plan)
+    assert final["iteration"] == ITERS and final["consumed_samples"] == ITERS * 4
+    return losses(out)
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_cluster, corpus, tmp_path_factory):
+    """TP 1, PP 1, DP 1: one worker, four microbatches per iteration."""
+    return train_on_ray(corpus, tmp_path_factory.mktemp("tp1dp1"), "cluster.num_workers=1")
+
+
+def assert_falls(curve):
+    assert curve[-1] < curve[0] - 0.5, curve
+
+
+def test_dp2_trains_like_dp1(baseline, corpus, tmp_path):
+    dp2 = train_on_ray(corpus, tmp_path, "cluster.num_workers=2")
+    assert_falls(dp2)
+    # Same global batch: 2 ranks × 2 microbatches vs 1 rank × 4; only summation order differs.
+    assert dp2 == pytest.approx(baseline, abs=2e-4)
+
+
+def test_tp2_trains_like_tp1(baseline, corpus, tmp_path):
+    tp2 = train_on_ray(corpus, tmp_path, "cluster.num_workers=2",
+                       "parallel.tensor_model_parallel_size=2")
+    assert_falls(tp2)
+    assert tp2 == pytest.approx(baseline, abs=2e-4)
+
+
+def test_pp2_loss_falls(ray_cluster, corpus, tmp_path):
+    pp2 = train_on_ray(corpus, tmp_path, "cluster.num_workers=2",
+                       "parallel.pipeline_model_parallel_size=2")
+    assert_falls(pp2)
+
+
+def test_torchrun_gives_the_same_losses_as_ray(baseline, corpus, tmp_path):
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           str(REPO / "entrypoints" / "torchrun_pretrain.py"),
+           *overrides(corpus, out, "cluster.num_workers=2", "parallel.tensor_model_parallel_size=2")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(out) == pytest.approx(baseline, abs=2e-4)
+
+
+def test_too_few_ppus_fails_at_once(ray_cluster, corpus, tmp_path):
+    cfg = absolute_paths(load(None, overrides(corpus, tmp_path, f"cluster.num_workers={SIMULATED_PPUS * 2}")))
+    with pytest.raises(ClusterError, match=rf"needs {SIMULATED_PPUS * 2} workers × 1 PPU = 8 PPU, but the cluster has {SIMULATED_PPUS}"):
+        launch(cfg, build_plan(cfg))
