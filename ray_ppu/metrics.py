@@ -6,6 +6,7 @@ import datetime
 import json
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +36,7 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
 
     def write(self, metrics: dict) -> None:
-        self._jsonl.write(json.dumps(metrics) + "\n")
+        self._jsonl.write(json.dumps({**metrics, "time": time.time()}) + "\n")
         if self._tb is not None:
             step = metrics["iteration"]
             for key, value in metrics.items():

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,7 +29,7 @@ def overrides(corpus, out, *extra):
         f"data.data_path=[{corpus}]", f"output.dir={out}", "output.tensorboard=false",
         "cluster.device=cpu", "training.precision=fp32",
         f"training.train_iters={ITERS}", "training.global_batch_size=4", "training.micro_batch_size=1",
-        "training.seq_length=32", "training.lr=3e-3", "training.min_lr=3e-4",
+        "training.seq_length=32", "training.lr=2e-2", "training.min_lr=3e-4",
         "training.lr_warmup_iters=1", "training.log_interval=1",
         # 151936 is a multiple of 64 × TP for TP ≤ 2: the padded vocabulary, hence the
         # initial weights, are the same at TP 1 and TP 2.
@@ -94,6 +95,9 @@ def test_torchrun_gives_the_same_losses_as_ray(baseline, corpus, tmp_path):
 
 
 def test_too_few_ppus_fails_at_once(ray_cluster, corpus, tmp_path):
-    cfg = absolute_paths(load(None, overrides(corpus, tmp_path, f"cluster.num_workers={SIMULATED_PPUS * 2}")))
-    with pytest.raises(ClusterError, match=rf"needs {SIMULATED_PPUS * 2} workers × 1 PPU = 8 PPU, but the cluster has {SIMULATED_PPUS}"):
+    cfg = absolute_paths(load(None, overrides(corpus, tmp_path, f"cluster.num_workers={SIMULATED_PPUS * 2}",
+                                              "training.global_batch_size=8")))
+    start = time.monotonic()
+    with pytest.raises(ClusterError, match=rf"needs 8 workers × 1 PPU = 8 PPU, but the cluster has {SIMULATED_PPUS}"):
         launch(cfg, build_plan(cfg))
+    assert time.monotonic() - start < 10  # an error, not a wait for placement
