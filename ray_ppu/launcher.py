@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -116,6 +117,10 @@ def _quiet_worker_logs() -> None:
     # Ray Train logs every report at INFO under its file's path as the logger name.
     for name in ("ray.train", "megatron.core", train_context.__file__):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Megatron's "Apex/TE not installed, falling back" and torch's c10d deprecation notices
+    # repeat on every rank; they say nothing the run can act on.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
 
 
 def _train_worker(payload: dict) -> dict:
@@ -184,8 +189,9 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     5. Stop cleanly on Ctrl-C / SIGTERM (``ray job stop``): workers end with the driver.
     """
     started = connect(cfg)
-    # ray job stop sends SIGTERM: turn it into KeyboardInterrupt so the finally-block runs.
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # ray job stop sends SIGTERM: treat it as Ctrl-C, which Ray Train turns into a graceful
+    # abort of the worker group (and KeyboardInterrupt before fit() starts).
+    previous = signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
     try:
         check_capacity(cfg)
         backend = _resolve_backend(cfg)
@@ -200,7 +206,10 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         log.info("index cache %s: %d training samples for %d needed",
                  spec.index_cache_dir, samples, plan.train_samples)
         ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
-        result = build_trainer(cfg, plan, backend).fit()
+        try:
+            result = build_trainer(cfg, plan, backend).fit()
+        except SystemExit:  # Ray Train's SIGINT handler aborts the workers, then exits
+            raise KeyboardInterrupt from None
         if result.error is not None:
             raise result.error
         return result.return_value or {}

@@ -26,7 +26,8 @@ _INT_KEYS = ("tokens", "labels", "position_ids")
 
 
 def _as_tensors(batch: dict, device: torch.device) -> dict:
-    return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
+    # torch.tensor copies: Ray Data hands out read-only arrays from its object store.
+    return {k: torch.tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device) -> dict:

@@ -1,0 +1,49 @@
+"""entrypoints/pretrain.py end to end: a real job on its own embedded Ray, stopped as
+``ray job stop`` stops it (SIGTERM, which the launcher treats as Ctrl-C)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _is_train_worker(proc: psutil.Process) -> bool:
+    try:
+        return "RayTrainWorker" in " ".join(proc.cmdline())
+    except psutil.Error:  # exited meanwhile
+        return False
+
+
+def test_stop_signal_ends_the_job_and_its_workers(corpus, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(REPO / "entrypoints" / "pretrain.py"),
+           "--config", str(REPO / "entrypoints" / "configs" / "demo.yaml"),
+           f"data.data_path=[{corpus}]", f"output.dir={out}", "training.train_iters=100000",
+           "training.log_interval=1", "training.seq_length=32"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert job.poll() is None, job.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "no training progress within 240 s"
+        time.sleep(1)
+    workers = [p for p in psutil.Process(job.pid).children(recursive=True)]
+    assert (out / "config.yaml").exists() and (out / "plan.json").exists()
+    first = json.loads(metrics.read_text().splitlines()[0])
+    assert {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "step_time_s",
+            "tokens_per_s"} <= set(first)
+
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 130
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    survivors = [p.pid for p in alive if _is_train_worker(p)]
+    assert not survivors, f"Ray Train workers {survivors} outlived the job"
+    assert (out / "tensorboard").is_dir()
