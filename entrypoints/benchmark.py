@@ -49,12 +49,14 @@ def _one_run(kind: str, out: Path, iters: int, extra: list[str]) -> tuple[float,
 
 
 def overhead(rounds: int, iters: int, extra: list[str]) -> None:
+    from ray_ppu.config.loader import load
     from ray_ppu.data.preprocess import build_stdlib_corpus
     from ray_ppu.data.tokenizer import qwen2
-    from ray_ppu.config.loader import load
+    from ray_ppu.run import absolute_paths
 
-    corpus = load(REPO / "entrypoints" / "configs" / "demo.yaml").data.data_path[0]
-    build_stdlib_corpus(REPO / corpus if not Path(corpus).is_absolute() else corpus, qwen2())
+    # Both runs resolve the demo's relative corpus path against this directory, as pretrain.py does.
+    demo = absolute_paths(load(REPO / "entrypoints" / "configs" / "demo.yaml", extra))
+    build_stdlib_corpus(demo.data.data_path[0], qwen2())
     results: dict[str, list[tuple[float, float]]] = {"ray": [], "torchrun": []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):

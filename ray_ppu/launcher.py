@@ -12,7 +12,6 @@ import os
 import signal
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import ray
 import ray.train
@@ -147,10 +146,10 @@ def _train_worker(payload: dict) -> dict:
     return worker.run(cfg, plan, backend, device_id, batches)
 
 
-def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend) -> TorchTrainer:
+def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
+                  spec: idxmap.SampleSpec) -> TorchTrainer:
     """TorchTrainer with one worker per PPU, the idxmap stream, and the failure policy."""
     c = cfg.cluster
-    spec = idxmap.spec_for(cfg, plan)
     output = Path(cfg.output.dir).expanduser().resolve()
     return TorchTrainer(
         _train_worker,
@@ -207,7 +206,7 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
                  spec.index_cache_dir, samples, plan.train_samples)
         ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
         try:
-            result = build_trainer(cfg, plan, backend).fit()
+            result = build_trainer(cfg, plan, backend, spec).fit()
         except SystemExit:  # Ray Train's SIGINT handler aborts the workers, then exits
             raise KeyboardInterrupt from None
         if result.error is not None:

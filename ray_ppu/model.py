@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -15,8 +13,6 @@ from megatron.core.transformer import TransformerConfig
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices import Backend
 from ray_ppu.plan import Plan
-
-log = logging.getLogger(__name__)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

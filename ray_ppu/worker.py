@@ -6,7 +6,6 @@ both call :func:`run` after creating the default process group.
 
 from __future__ import annotations
 
-import logging
 from typing import Iterator, Optional
 
 import torch.distributed as dist
@@ -15,8 +14,6 @@ from ray_ppu import devices, parallel
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.metrics import MetricsWriter
 from ray_ppu.plan import Plan
-
-log = logging.getLogger(__name__)
 
 
 def run(

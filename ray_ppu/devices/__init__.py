@@ -8,14 +8,11 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Iterator, Literal
 
 import torch
 
 Backend = Literal["ppu", "cpu"]
-
-log = logging.getLogger(__name__)
 
 
 def resolve(requested: str) -> Backend:
