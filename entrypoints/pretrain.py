@@ -54,6 +54,7 @@ def main(argv=None) -> int:
         print(json.dumps({"config": cfg.to_dict(), "plan": plan.to_dict()}, indent=2))
         return 0
 
+    from ray_ppu.data.checks import CorpusError
     from ray_ppu.launcher import ClusterError, launch
 
     if demo:
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     prepare_output(cfg, plan)
     try:
         final = launch(cfg, plan)
-    except (ConfigError, ClusterError) as err:
+    except (ConfigError, ClusterError, CorpusError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

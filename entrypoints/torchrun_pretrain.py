@@ -22,6 +22,7 @@ from ray_ppu import devices, worker  # noqa: E402
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.data import idxmap, local  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
+from ray_ppu.data.order import valid_steps  # noqa: E402
 from ray_ppu.run import absolute_paths  # noqa: E402
 
 
@@ -41,15 +42,18 @@ def main() -> None:
     spec = idxmap.spec_for(cfg, plan)
     # Collective: Megatron's builder lets rank 0 build the index cache while the others wait,
     # then every rank loads it. Done up front so no read during training hits that barrier.
-    idxmap.check_prefixes(spec.data_path)
-    idxmap.dataset(spec)
+    idxmap.check(spec)
+    idxmap.datasets(spec)
 
     coords = plan.dims.coordinates(rank)
     reads = any(r == rank for r, _ in plan.dims.data_ranks())
-    batches = local.microbatches(spec, coords["dp"], plan.data_parallel_size, plan.global_batch_size,
-                                 plan.micro_batch_size, 0, plan.train_iters) if reads else None
+    rank_args = (spec, coords["dp"], plan.data_parallel_size, plan.global_batch_size,
+                 plan.micro_batch_size)
+    batches = local.microbatches(*rank_args, 0, plan.train_iters) if reads else None
+    valid = (local.microbatches(*rank_args, 0, valid_steps(plan), "valid")
+             if reads and plan.eval_iters else None)
     try:
-        final = worker.run(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches)
+        final = worker.run(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid)
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from ray_ppu import devices
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap
-from ray_ppu.data.ray_stream import IdxmapDataConfig, iterations_dataset
+from ray_ppu.data.order import valid_steps
+from ray_ppu.data.ray_stream import IdxmapDataConfig, steps_dataset
 from ray_ppu.plan import Plan
 
 log = logging.getLogger("ray_ppu")
@@ -131,11 +133,15 @@ def _train_worker(payload: dict) -> dict:
     plan: Plan = payload["plan"]
     backend: devices.Backend = payload["backend"]
 
-    shard = ray.train.get_dataset_shard("train")  # None on ranks that read no data
-    batches = None
-    if shard is not None:
-        batches = iter(shard.iter_batches(batch_size=plan.micro_batch_size, batch_format="numpy",
-                                          prefetch_batches=cfg.data.prefetch_batches))
+    def stream(split: str):  # None on ranks that read no data
+        shard = ray.train.get_dataset_shard(split)
+        if shard is None:
+            return None
+        return iter(shard.iter_batches(batch_size=plan.micro_batch_size, batch_format="numpy",
+                                       prefetch_batches=cfg.data.prefetch_batches))
+
+    batches = stream("train")
+    valid_batches = stream("valid") if plan.eval_iters else None
     # As many compute threads as CPUs Ray reserved for this worker (torchrun sets
     # OMP_NUM_THREADS=1 likewise); torch's default, every core, oversubscribes the node.
     torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
@@ -143,7 +149,7 @@ def _train_worker(payload: dict) -> dict:
     # No ray.train.report per log line: Ray Train drains one report per health-check interval
     # (2 s), so frequent reports would throttle training. Metrics go to metrics.jsonl and
     # TensorBoard; the final metrics come back as the run's return value.
-    return worker.run(cfg, plan, backend, device_id, batches)
+    return worker.run(cfg, plan, backend, device_id, batches, valid_batches)
 
 
 def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
@@ -151,6 +157,9 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
     """TorchTrainer with one worker per PPU, the idxmap stream, and the failure policy."""
     c = cfg.cluster
     output = Path(cfg.output.dir).expanduser().resolve()
+    datasets = {"train": steps_dataset(plan.train_iters)}
+    if plan.eval_iters:
+        datasets["valid"] = steps_dataset(valid_steps(plan))
     return TorchTrainer(
         _train_worker,
         train_loop_config={"cfg": cfg, "plan": plan, "backend": backend},
@@ -166,13 +175,14 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
             storage_path=str(output / "ray_train"),
             failure_config=FailureConfig(max_failures=c.max_failures),
         ),
-        datasets={"train": iterations_dataset(plan.train_iters)},
+        datasets=datasets,
         dataset_config=IdxmapDataConfig(
             spec,
             plan.tensor_model_parallel_size,
             plan.pipeline_model_parallel_size,
             plan.context_parallel_size,
             plan.global_batch_size,
+            plan.micro_batch_size,
             cfg.data.reader_cpus,
         ),
     )
@@ -181,12 +191,16 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
 def launch(cfg: RunConfig, plan: Plan) -> dict:
     """Run the job on Ray; returns rank 0's last logged metrics.
 
-    1. Connect to the cluster (or start a local Ray with simulated PPUs).
-    2. Preflight: enough PPU for the world size; the corpus exists.
+    1. Check the corpora on the driver (files, headers, sizes, token ids, splits).
+    2. Connect to the cluster (or start a local Ray with simulated PPUs); enough PPU?
     3. Build Megatron's sample indices once, in one Ray task, into the shared cache.
     4. TorchTrainer.fit(): one worker per PPU, each joining the Megatron worker group.
     5. Stop cleanly on Ctrl-C / SIGTERM (``ray job stop``): workers end with the driver.
     """
+    spec = idxmap.spec_for(cfg, plan)
+    for info in idxmap.check(spec):
+        log.info("corpus %s: %d documents, %.4g tokens (%s)", info.prefix, info.documents,
+                 info.tokens, info.dtype)
     started = connect(cfg)
     # ray job stop sends SIGTERM: treat it as Ctrl-C, which Ray Train turns into a graceful
     # abort of the worker group (and KeyboardInterrupt before fit() starts).
@@ -194,16 +208,10 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     try:
         check_capacity(cfg)
         backend = _resolve_backend(cfg)
-        spec = idxmap.spec_for(cfg, plan)
-        try:
-            samples = ray.get(_prepare_index.remote(spec))
-        except ray.exceptions.RayTaskError as err:
-            cause = err.as_instanceof_cause()
-            if isinstance(cause, (FileNotFoundError, ValueError)):
-                raise ConfigError(str(cause).splitlines()[-1]) from None
-            raise
-        log.info("index cache %s: %d training samples for %d needed",
-                 spec.index_cache_dir, samples, plan.train_samples)
+        samples = _prepare_indices(spec)
+        log.info("index cache %s: %d training samples for %d needed, %d validation for %d",
+                 spec.index_cache_dir, samples["train"], plan.train_samples, samples["valid"],
+                 plan.valid_samples)
         ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
         try:
             result = build_trainer(cfg, plan, backend, spec).fit()
@@ -216,6 +224,20 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         signal.signal(signal.SIGTERM, previous)
         if started:
             ray.shutdown()
+
+
+def _prepare_indices(spec: idxmap.SampleSpec) -> dict:
+    """Megatron's indices built by one Ray task (never by every rank at once), timed."""
+    start = time.perf_counter()
+    try:
+        samples = ray.get(_prepare_index.remote(spec))
+    except ray.exceptions.RayTaskError as err:
+        cause = err.as_instanceof_cause()
+        if isinstance(cause, ValueError):  # the corpus cannot give what the run asks
+            raise ConfigError(str(cause.args[0] if cause.args else cause)) from None
+        raise
+    log.info("Megatron sample indices ready in %.1f s", time.perf_counter() - start)
+    return samples
 
 
 def _resolve_backend(cfg: RunConfig) -> devices.Backend:

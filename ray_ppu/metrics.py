@@ -22,6 +22,11 @@ def progress_line(m: dict) -> str:
     )
 
 
+def validation_line(m: dict) -> str:
+    return (f"validation at iter {m['iteration']:>6} | loss {m['valid_lm_loss']:.4f} | "
+            f"ppl {m['valid_ppl']:.2f} | {m['valid_samples']} samples")
+
+
 class MetricsWriter:
     """Appends each logged iteration to ``metrics.jsonl`` and TensorBoard; one writer per run."""
 
@@ -36,13 +41,16 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
 
     def write(self, metrics: dict) -> None:
+        """One row: a training window (``lm_loss``, ...) or a validation pass (``valid_*``)."""
         self._jsonl.write(json.dumps({**metrics, "time": time.time()}) + "\n")
+        is_valid = "valid_lm_loss" in metrics
         if self._tb is not None:
             step = metrics["iteration"]
             for key, value in metrics.items():
                 if key not in ("iteration", "train_iters") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, step)
-        log.info(progress_line(metrics))
+                    name = f"valid/{key.removeprefix('valid_')}" if is_valid else f"train/{key}"
+                    self._tb.add_scalar(name, value, step)
+        log.info(validation_line(metrics) if is_valid else progress_line(metrics))
 
     def close(self) -> None:
         self._jsonl.close()

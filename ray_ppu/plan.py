@@ -80,6 +80,9 @@ class Plan:
     lr_decay_iters: int
     train_samples: int
     train_tokens: int
+    eval_interval: int
+    eval_iters: int
+    valid_samples: int
     padded_vocab_size: int
     kv_channels: int
     num_parameters: int
@@ -137,6 +140,36 @@ def _parameter_counts(cfg: RunConfig, dims: ParallelDims, padded_vocab: int) -> 
     return total, per_device
 
 
+def _data_problems(cfg: RunConfig) -> list[str]:
+    """Blend syntax, split syntax, and a validation source when validation is asked for."""
+    from ray_ppu.data.idxmap import BlendError, parse_blend
+
+    d, t = cfg.data, cfg.training
+    problems = []
+    for key, value in (("data.data_path", d.data_path), ("data.valid_data_path", d.valid_data_path)):
+        if value or key == "data.data_path":
+            try:
+                parse_blend(value, key)
+            except BlendError as err:
+                problems.append(str(err))
+    try:
+        shares = [float(x) for x in d.split.replace("/", ",").split(",")]
+        if len(shares) > 3 or any(x < 0 for x in shares) or sum(shares) <= 0:
+            raise ValueError
+    except ValueError:
+        problems.append(f"data.split '{d.split}': expected up to three non-negative shares, "
+                        f"e.g. 99,1,0")
+        shares = [1.0]
+    if t.eval_iters < 0 or t.eval_interval < 1:
+        problems.append(f"eval_iters {t.eval_iters} must be ≥ 0 and eval_interval "
+                        f"{t.eval_interval} ≥ 1")
+    elif t.eval_iters and not d.valid_data_path and (len(shares) < 2 or shares[1] == 0):
+        problems.append(f"eval_iters {t.eval_iters} asks for validation but split '{d.split}' "
+                        f"gives it no documents: set data.valid_data_path, a validation share "
+                        f"in data.split, or training.eval_iters=0")
+    return problems
+
+
 def build_plan(cfg: RunConfig) -> Plan:
     """Validate the config against itself and derive the plan; ConfigError lists every problem.
 
@@ -145,6 +178,7 @@ def build_plan(cfg: RunConfig) -> Plan:
     3. Batch arithmetic: global batch = micro batch × DP × microbatches.
     4. Sequence: seq_length within max_position_embeddings.
     5. Schedule: train / warmup / decay iterations (tokens → iterations as the reference does).
+    6. Data: blend and split syntax, a validation source when eval_iters > 0.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.training
     problems: list[str] = []
@@ -216,8 +250,8 @@ def build_plan(cfg: RunConfig) -> Plan:
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else train_iters
     if warmup > decay and not problems:
         problems.append(f"lr_warmup_iters {warmup} exceeds lr_decay_iters {decay}")
-    if cfg.data.data_path == []:
-        problems.append("data.data_path is empty: name at least one idxmap prefix")
+    problems += _data_problems(cfg)
+    evaluations = train_iters // t.eval_interval + 1 if t.eval_interval > 0 else 0
 
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
@@ -243,6 +277,11 @@ def build_plan(cfg: RunConfig) -> Plan:
         lr_decay_iters=decay,
         train_samples=train_iters * t.global_batch_size,
         train_tokens=train_iters * tokens_per_iter,
+        eval_interval=t.eval_interval,
+        eval_iters=t.eval_iters,
+        # Megatron's count: a pass every eval_interval plus one at the end, each pass reading
+        # fresh validation samples (the validation stream never rewinds).
+        valid_samples=evaluations * t.eval_iters * t.global_batch_size,
         padded_vocab_size=padded_vocab,
         kv_channels=m.kv_channels,
         num_parameters=total,

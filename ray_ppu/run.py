@@ -19,11 +19,19 @@ def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
+def _absolute_blend(items: list[str]) -> list[str]:
+    """Prefixes resolved, blend weights (``[0.3, prefix, ...]``) kept as they are."""
+    from ray_ppu.data.idxmap import is_number
+
+    return [item if is_number(item) else _absolute(item) for item in items]
+
+
 def absolute_paths(cfg: RunConfig) -> RunConfig:
     """Paths resolved against the submitting directory: workers run in other directories."""
     data = dataclasses.replace(
         cfg.data,
-        data_path=[_absolute(p) for p in cfg.data.data_path],
+        data_path=_absolute_blend(cfg.data.data_path),
+        valid_data_path=_absolute_blend(cfg.data.valid_data_path),
         index_cache_dir=_absolute(cfg.data.index_cache_dir) if cfg.data.index_cache_dir else None,
     )
     output = dataclasses.replace(cfg.output, dir=_absolute(cfg.output.dir))
@@ -45,4 +53,8 @@ def prepare_output(cfg: RunConfig, plan: Plan) -> Path:
         plan.global_batch_size * plan.seq_length, plan.train_tokens, plan.num_parameters,
         plan.num_parameters_per_device, plan.flops_per_iteration,
     )
+    if plan.eval_iters:
+        log.info("validation every %d iterations and at the end: %d × %d samples per pass, "
+                 "%d validation samples in all", plan.eval_interval, plan.eval_iters,
+                 plan.global_batch_size, plan.valid_samples)
     return out

@@ -80,15 +80,50 @@ class _Window:
     grad_norm: float = 0.0
 
 
-def _reduce_loss(window: _Window, device: torch.device) -> float:
-    """Token-weighted mean loss over the window, averaged over DP and known on every rank."""
-    stats = window.loss_sum if window.loss_sum is not None else torch.zeros(2, device=device)
+def _mean_loss(stats: Optional[torch.Tensor], device: torch.device) -> float:
+    """Token-weighted mean of [loss sum, token count] over DP, known on every rank."""
+    stats = stats if stats is not None else torch.zeros(2, device=device)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         dist.all_reduce(stats, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         last = parallel_state.get_pipeline_model_parallel_last_rank()
         dist.broadcast(stats, src=last, group=parallel_state.get_pipeline_model_parallel_group())
     return (stats[0] / stats[1].clamp(min=1)).item()
+
+
+def _sum_reports(reports: list, total: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Add the microbatches' [loss sum, tokens] (only the last pipeline stage has any)."""
+    for report in reports:
+        stats = report["lm loss"]
+        total = stats if total is None else total + stats
+    return total
+
+
+def evaluate(plan: Plan, model: list, forward_backward, step, batches, device: torch.device,
+             iteration: int) -> dict:
+    """``plan.eval_iters`` global batches of validation data, forward only; loss and perplexity."""
+    for chunk in model:
+        chunk.eval()
+    total = None
+    with torch.no_grad():
+        for _ in range(plan.eval_iters):
+            reports = forward_backward(
+                forward_step_func=step,
+                data_iterator=[batches] * len(model) if len(model) > 1 else batches,
+                model=model if len(model) > 1 else model[0],
+                num_microbatches=plan.num_microbatches,
+                seq_length=plan.seq_length,
+                micro_batch_size=plan.micro_batch_size,
+                decoder_seq_length=plan.seq_length,
+                forward_only=True,
+            )
+            total = _sum_reports(reports, total)
+    for chunk in model:
+        chunk.train()
+    loss = _mean_loss(total, device)
+    return {"iteration": iteration, "valid_lm_loss": loss,
+            "valid_ppl": math.exp(min(loss, 20.0)),  # capped like Megatron's PPL print
+            "valid_samples": plan.eval_iters * plan.global_batch_size}
 
 
 def train(
@@ -101,6 +136,7 @@ def train(
     log_interval: int,
     on_log: Callable[[dict], None],
     start_iteration: int = 0,
+    valid_batches: Optional[Iterator[Microbatch]] = None,
 ) -> dict:
     """Run iterations ``start_iteration .. plan.train_iters``; returns the last logged metrics.
 
@@ -108,7 +144,8 @@ def train(
     microbatches (Megatron picks no-pipelining, 1F1B or interleaved from the parallel state) →
     optimizer step (clips, steps, and with the distributed optimizer all-gathers params) →
     scheduler step by the global batch in samples. Every ``log_interval`` iterations the window's
-    numbers are reduced and handed to ``on_log`` on every rank.
+    numbers are reduced and handed to ``on_log`` on every rank; every ``plan.eval_interval``
+    iterations and at the end (when ``plan.eval_iters`` > 0) a validation pass is too.
     """
     config = get_attr_wrapped_model(model[0], "config")
     config.grad_scale_func = optimizer.scale_loss
@@ -143,14 +180,12 @@ def train(
             window.grad_norm = float(grad_norm) if grad_norm is not None else math.nan
         else:
             window.skipped += 1  # fp16 overflow: Megatron skips the step and lowers the scale
-        for report in losses:
-            stats = report["lm loss"]
-            window.loss_sum = stats if window.loss_sum is None else window.loss_sum + stats
+        window.loss_sum = _sum_reports(losses, window.loss_sum)
         window.iterations += 1
 
         done = iteration + 1
         if done % log_interval == 0 or done == plan.train_iters:
-            lm_loss = _reduce_loss(window, device)  # syncs: the window's work is finished
+            lm_loss = _mean_loss(window.loss_sum, device)  # syncs: the window's work is finished
             now = time.perf_counter()
             elapsed = now - window.start
             step_time = elapsed / window.iterations
@@ -170,4 +205,10 @@ def train(
             }
             window = _Window(start=now)  # on_log's cost (e.g. a Ray report) counts in the next window
             on_log(metrics)
+        if plan.eval_iters and (done % plan.eval_interval == 0 or done == plan.train_iters):
+            eval_start = time.perf_counter()
+            result = evaluate(plan, model, forward_backward, step, valid_batches, device, done)
+            on_log({**result, "eval_time_s": time.perf_counter() - eval_start})
+            metrics.update(result)
+            window.start += time.perf_counter() - eval_start  # keep step times training-only
     return metrics

@@ -22,6 +22,8 @@ def run(
     backend: devices.Backend,
     device_id: int,
     batches: Optional[Iterator[dict]],
+    valid_batches: Optional[Iterator[dict]] = None,
+    start_iteration: int = 0,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
@@ -47,7 +49,7 @@ def run(
             model, _ = build_model(cfg, plan, backend)
             optimizer, scheduler = build_optimizer(cfg, plan, model)
             return train(plan, model, optimizer, scheduler, batches, devices.torch_device(backend),
-                         cfg.training.log_interval, on_log)
+                         cfg.training.log_interval, on_log, start_iteration, valid_batches)
         finally:
             parallel.destroy()
             if writer is not None:

@@ -37,3 +37,14 @@ def corpus(tmp_path_factory) -> str:
     stats = write_idxmap(stdlib_sources(600_000), qwen2(), prefix)
     assert stats.tokens > 100_000
     return str(prefix)
+
+
+@pytest.fixture(scope="session")
+def corpus_b(tmp_path_factory) -> str:
+    """A second, smaller idxmap (the first corpus's files in reverse order): blends need two."""
+    from ray_ppu.data.preprocess import stdlib_sources, write_idxmap
+    from ray_ppu.data.tokenizer import qwen2
+
+    prefix = tmp_path_factory.mktemp("corpus_b") / "stdlib_reversed_text_document"
+    write_idxmap(reversed(list(stdlib_sources(200_000))), qwen2(), prefix)
+    return str(prefix)

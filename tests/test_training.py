@@ -5,6 +5,7 @@ streams the idxmap samples, Megatron-Core trains over gloo with the CPU shim.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,6 +32,8 @@ def overrides(corpus, out, *extra):
         f"training.train_iters={ITERS}", "training.global_batch_size=4", "training.micro_batch_size=1",
         "training.seq_length=32", "training.lr=2e-2", "training.min_lr=3e-4",
         "training.lr_warmup_iters=1", "training.log_interval=1",
+        # validation after iterations 4 and 8 on the 20 % validation share (tens of documents)
+        "training.eval_interval=4", "training.eval_iters=1", "data.split=80,20,0",
         # 151936 is a multiple of 64 × TP for TP ≤ 2: the padded vocabulary, hence the
         # initial weights, are the same at TP 1 and TP 2.
         "model.make_vocab_size_divisible_by=64",
@@ -39,10 +42,15 @@ def overrides(corpus, out, *extra):
 
 
 def losses(out):
+    """Training losses per iteration, then the validation losses (iterations 4 and 8)."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    assert [r["iteration"] for r in rows] == list(range(1, ITERS + 1))
-    return [r["lm_loss"] for r in rows]
+    train = [r for r in rows if "lm_loss" in r]
+    valid = [r for r in rows if "valid_lm_loss" in r]
+    assert [r["iteration"] for r in train] == list(range(1, ITERS + 1))
+    assert [r["iteration"] for r in valid] == [4, 8]
+    assert all(abs(r["valid_ppl"] - math.exp(r["valid_lm_loss"])) < 1e-6 * r["valid_ppl"] for r in valid)
+    return [r["lm_loss"] for r in train] + [r["valid_lm_loss"] for r in valid]
 
 
 def train_on_ray(corpus, out, *extra):
@@ -61,13 +69,16 @@ def baseline(ray_cluster, corpus, tmp_path_factory):
 
 
 def assert_falls(curve):
-    assert curve[-1] < curve[0] - 0.5, curve
+    train, valid = curve[:ITERS], curve[ITERS:]
+    assert train[-1] < train[0] - 0.5, curve
+    assert valid[1] < valid[0], curve  # held-out loss improves between the two passes
 
 
 def test_dp2_trains_like_dp1(baseline, corpus, tmp_path):
     dp2 = train_on_ray(corpus, tmp_path, "cluster.num_workers=2")
     assert_falls(dp2)
     # Same global batch: 2 ranks × 2 microbatches vs 1 rank × 4; only summation order differs.
+    # The validation losses match too: the same held-out samples whatever the DP size.
     assert dp2 == pytest.approx(baseline, abs=2e-4)
 
 

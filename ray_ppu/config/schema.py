@@ -127,6 +127,10 @@ class TrainingConfig:
     """Base RNG seed (Megatron adds 100 × pipeline rank)."""
     log_interval: int = 1
     """Iterations between progress lines, metrics.jsonl rows and Ray Train reports."""
+    eval_interval: int = 10_000
+    """Iterations between validation passes (and one at the end); the reference uses 10000."""
+    eval_iters: int = 10
+    """Global batches of validation data per pass (0 = no validation)."""
 
 
 @dataclass(frozen=True)
@@ -134,9 +138,13 @@ class DataConfig:
     """Where training samples come from."""
 
     data_path: list[str] = field(default_factory=list)
-    """Megatron idxmap prefixes (``prefix.bin`` / ``prefix.idx``) to train on."""
+    """Megatron idxmap prefixes (``prefix.bin`` / ``prefix.idx``): ``[prefix, ...]`` (each read
+    once, in proportion to its size) or a blend ``[weight, prefix, weight, prefix, ...]``."""
+    valid_data_path: list[str] = field(default_factory=list)
+    """Validation prefixes or blend, same forms; empty = the validation share of ``split``."""
     split: str = "99,1,0"
-    """Train/validation/test split of the documents, in Megatron's "a,b,c" form."""
+    """Train/validation/test split of ``data_path``'s documents, Megatron's "a,b,c" form (ignored
+    when ``valid_data_path`` is set: training then uses all of ``data_path``)."""
     index_cache_dir: Optional[str] = None
     """Where Megatron's document/sample/shuffle indices are cached (default: <output>/index_cache)."""
     eod_token_id: int = 151_643

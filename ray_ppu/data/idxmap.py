@@ -12,10 +12,12 @@ them with mmap.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -36,39 +38,88 @@ class TokenIds:
         return {"class": "ray_ppu.TokenIds", "eod": self.eod, "vocab_size": self.vocab_size}
 
 
+SPLITS = ("train", "valid")  # Megatron's Split order; the test split is never built
+
+
+class BlendError(ValueError):
+    """``data_path`` is neither prefixes nor Megatron's ``[weight, prefix, ...]`` blend."""
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def parse_blend(items, key: str = "data.data_path") -> tuple[tuple[str, ...], tuple[float, ...] | None]:
+    """Megatron's ``--data-path`` forms: ``[prefix, ...]`` or ``[weight, prefix, weight, prefix, ...]``.
+
+    Returns ``(prefixes, weights)``; weights None means "each prefix once, in proportion to its
+    size" (Megatron's unweighted blend). Weights need not sum to one (Megatron normalizes).
+    """
+    items = [str(i) for i in items]
+    if not items:
+        raise BlendError(f"{key} is empty: name at least one idxmap prefix")
+    numeric = [is_number(i) for i in items]
+    if not any(numeric):
+        return tuple(items), None
+    if len(items) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
+        raise BlendError(f"{key}={items}: a blend alternates weight and prefix "
+                         f"([w1, prefix1, w2, prefix2, ...]); got a number where a prefix belongs "
+                         f"or an odd number of entries")
+    weights = tuple(float(w) for w in items[0::2])
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise BlendError(f"{key}: blend weights {list(weights)} must be ≥ 0 with a positive sum")
+    return tuple(items[1::2]), weights
+
+
 @dataclass(frozen=True)
 class SampleSpec:
-    """Everything that fixes the global sample order (hashable: a cache key per process)."""
+    """Everything that fixes the global sample order (hashable: a cache key per process).
 
-    data_path: tuple[str, ...]
+    ``valid_prefixes`` empty: validation comes from the ``split`` of ``prefixes`` (Megatron's
+    ``--data-path`` + ``--split``); otherwise from its own blend (``--valid-data-path``) and
+    the training blend is used whole.
+    """
+
+    prefixes: tuple[str, ...]
+    weights: Optional[tuple[float, ...]]
     split: str
     seq_length: int
     seed: int
-    num_samples: int
+    train_samples: int
     index_cache_dir: str
     eod_token_id: int
     vocab_size: int
+    valid_samples: int = 0  # 0: no validation, its indices are not built
+    valid_prefixes: tuple[str, ...] = ()
+    valid_weights: Optional[tuple[float, ...]] = None
+
+    @property
+    def all_prefixes(self) -> tuple[str, ...]:
+        return self.prefixes + self.valid_prefixes
+
+    def samples(self, split: str) -> int:
+        return {"train": self.train_samples, "valid": self.valid_samples}[split]
 
 
-def check_prefixes(data_path: tuple[str, ...] | list[str]) -> None:
-    """Fail early, naming the file, when a prefix lacks its .bin or .idx."""
-    for prefix in data_path:
-        for suffix in (".bin", ".idx"):
-            if not Path(prefix + suffix).is_file():
-                raise FileNotFoundError(f"idxmap file {prefix + suffix} does not exist")
+def megatron_config(spec: SampleSpec):
+    """The GPTDatasetConfig Megatron-LM would build for these data arguments."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-
-def _build(spec: SampleSpec):
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
-    config = GPTDatasetConfig(
+    separate_valid = bool(spec.valid_prefixes)
+    return GPTDatasetConfig(
         random_seed=spec.seed,
         sequence_length=spec.seq_length,
-        blend=(list(spec.data_path), None),
-        split=spec.split,
+        blend=None if separate_valid else (list(spec.prefixes), _list(spec.weights)),
+        blend_per_split=[
+            (list(spec.prefixes), _list(spec.weights)),
+            (list(spec.valid_prefixes), _list(spec.valid_weights)),
+            None,
+        ] if separate_valid else None,
+        split=None if separate_valid else spec.split,
         path_to_cache=spec.index_cache_dir,
         tokenizer=TokenIds(spec.eod_token_id, spec.vocab_size),
         reset_position_ids=False,
@@ -76,32 +127,129 @@ def _build(spec: SampleSpec):
         eod_mask_loss=False,
         create_attention_mask=False,  # causal mask comes from the attention module
     )
-    # Validation/test get one epoch of their split (None), never 0: Megatron's epoch count loops
-    # forever on a split that asks for samples but holds no documents.
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [spec.num_samples, None, None], lambda: True, config
-    ).build()
-    if train is None or len(train) == 0:
-        raise ValueError(f"no training samples in {list(spec.data_path)} with split {spec.split}")
-    return train
+
+
+def _list(values):
+    return None if values is None else list(values)
+
+
+def empty_splits(spec: SampleSpec, sequences: dict[str, int]) -> list[str]:
+    """Splits this run reads that hold no documents of some prefix (``sequences``: per prefix).
+
+    Megatron asks each prefix of a blend for samples from its own document range
+    ``[round(lo × n), round(hi × n))``; an empty range asked for samples never finishes
+    building (its epoch loop waits for tokens that never come), so it is caught here first.
+    """
+    if spec.valid_prefixes:
+        return []
+    matrix = megatron_config(spec).split_matrix
+    problems = []
+    for prefix in spec.prefixes:
+        n = sequences[prefix]
+        for index, split in enumerate(SPLITS):
+            if not spec.samples(split):
+                continue
+            bounds = matrix[index]
+            docs = 0 if bounds is None else int(round(bounds[1] * n)) - int(round(bounds[0] * n))
+            if docs <= 0:
+                problems.append(f"{prefix}: data.split {spec.split} leaves the {split} split none "
+                                f"of its {n} documents; the run reads {spec.samples(split)} "
+                                f"{split} samples (set data.valid_data_path or change data.split)")
+    return problems
+
+
+def check(spec: SampleSpec) -> list:
+    """Every corpus of ``spec`` usable for this run (files, headers, sizes, token ids, splits),
+    or one CorpusError naming each file at fault. Cheap: headers, indices and a token sample."""
+    from ray_ppu.data.checks import CorpusError, check_corpus
+
+    infos = check_corpus(list(dict.fromkeys(spec.all_prefixes)), spec.seq_length, spec.vocab_size)
+    problems = empty_splits(spec, {i.prefix: i.sequences for i in infos})
+    if problems:
+        raise CorpusError("unusable idxmap corpus:\n  - " + "\n  - ".join(problems))
+    return infos
+
+
+@contextlib.contextmanager
+def _process_group_of_one():
+    """A one-process gloo group when none exists (a Ray task or actor, a test).
+
+    Megatron's index builders ask ``torch.distributed`` for the rank (BlendedDataset does so
+    unconditionally on a cache miss); in a process of its own the answer is rank 0 of 1.
+    Under torchrun the job's own group is used and Megatron coordinates the ranks itself.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _build(spec: SampleSpec) -> dict:
+    """Megatron's datasets for the splits this run reads: {"train": ..., "valid": ... | None}."""
+    with _process_group_of_one():
+        return _build_in_group(spec)
+
+
+def _build_in_group(spec: SampleSpec) -> dict:
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    config = megatron_config(spec)
+    # Splits we never read are not built at all: Megatron would otherwise build (and, for a
+    # split holding no documents but asked for samples, loop forever on) their indices. The
+    # training documents and order are unaffected: each split's document range is fixed by
+    # the split string alone.
+    if config.split_matrix is not None:
+        config.split_matrix = [config.split_matrix[0],
+                               config.split_matrix[1] if spec.valid_samples else None, None]
+    elif not spec.valid_samples:
+        config.blend_per_split[1] = None
+    # 0, not None, for the splits not built: Megatron asserts sizes exist for weighted blends.
+    sizes = [spec.train_samples, spec.valid_samples, 0]
+    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    built = {"train": train, "valid": valid if spec.valid_samples else None}
+    for split in SPLITS:
+        want = spec.samples(split)
+        have = 0 if built[split] is None else len(built[split])
+        if want and have < want:
+            source = spec.valid_prefixes or spec.prefixes
+            hint = ("; an unweighted list of prefixes is read once — give weights "
+                    "([w1, prefix1, ...]) to repeat epochs" if len(source) > 1 and
+                    (spec.valid_weights if spec.valid_prefixes else spec.weights) is None else "")
+            raise ValueError(f"{split} data {list(source)} (split {spec.split}) gives {have} samples "
+                             f"of {spec.seq_length} tokens; the run needs {want}{hint}")
+    return built
 
 
 @functools.lru_cache(maxsize=4)
-def dataset(spec: SampleSpec):
-    """This process's GPTDataset for ``spec`` (built or loaded from the cache once per process)."""
+def datasets(spec: SampleSpec) -> dict:
+    """This process's Megatron datasets for ``spec`` (built or loaded from the cache once)."""
     return _build(spec)
 
 
-def prepare(spec: SampleSpec) -> int:
-    """Build and cache Megatron's indices for ``spec``; returns the number of samples."""
-    check_prefixes(spec.data_path)
+def dataset(spec: SampleSpec, split: str = "train"):
+    """This process's Megatron dataset (GPTDataset or BlendedDataset) for one split."""
+    return datasets(spec)[split]
+
+
+def prepare(spec: SampleSpec) -> dict[str, int]:
+    """Check the corpora, build and cache Megatron's indices; returns samples per split."""
+    check(spec)
     Path(spec.index_cache_dir).mkdir(parents=True, exist_ok=True)
-    return len(_build(spec))
+    return {split: 0 if ds is None else len(ds) for split, ds in _build(spec).items()}
 
 
-def read(spec: SampleSpec, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Stack GPTDataset samples ``sample_ids`` into int64/float32 arrays [n, seq_length]."""
-    ds = dataset(spec)
+def read(spec: SampleSpec, sample_ids: np.ndarray, split: str = "train") -> dict[str, np.ndarray]:
+    """Stack samples ``sample_ids`` of ``split`` into int64/float32 arrays [n, seq_length]."""
+    ds = dataset(spec, split)
     samples = [ds[int(i)] for i in sample_ids]
     return {
         key: np.stack([s[key].numpy() for s in samples]).astype(
@@ -114,13 +262,24 @@ def read(spec: SampleSpec, sample_ids: np.ndarray) -> dict[str, np.ndarray]:
 def spec_for(cfg, plan) -> SampleSpec:
     """The SampleSpec of a run (``cfg``: RunConfig, ``plan``: Plan)."""
     cache = cfg.data.index_cache_dir or str(Path(cfg.output.dir) / "index_cache")
+    prefixes, weights = parse_blend(cfg.data.data_path)
+    valid_prefixes, valid_weights = (parse_blend(cfg.data.valid_data_path, "data.valid_data_path")
+                                     if cfg.data.valid_data_path else ((), None))
+
+    def resolve(paths):
+        return tuple(str(Path(p).expanduser().resolve()) for p in paths)
+
     return SampleSpec(
-        data_path=tuple(str(Path(p).expanduser().resolve()) for p in cfg.data.data_path),
+        prefixes=resolve(prefixes),
+        weights=weights,
         split=cfg.data.split,
         seq_length=plan.seq_length,
         seed=cfg.training.seed,
-        num_samples=plan.train_samples,
+        train_samples=plan.train_samples,
         index_cache_dir=str(Path(cache).expanduser().resolve()),
         eod_token_id=cfg.data.eod_token_id,
         vocab_size=cfg.model.vocab_size,
+        valid_samples=plan.valid_samples,
+        valid_prefixes=resolve(valid_prefixes),
+        valid_weights=valid_weights,
     )

@@ -1,10 +1,11 @@
 """Idxmap samples streamed by Ray Data to the ranks that read data.
 
-The Ray Dataset handed to the trainer is the run's remaining iterations (``range``); for each
-data-reading rank, :class:`IdxmapDataConfig` maps it to that rank's samples: iteration *i* →
-the DP rank's slice of global batch *i* (:mod:`ray_ppu.data.order`) → tokens read by Megatron's
-GPTDataset in Ray Data tasks. Ranks that read nothing (TP ranks > 0, middle pipeline stages)
-get ``None`` and receive their batch by broadcast inside the TP group.
+The trainer gets two Ray Datasets of step numbers (``range``): ``train`` (the run's remaining
+iterations) and ``valid`` (the remaining validation iterations, when validation is on). For
+each data-reading rank, :class:`IdxmapDataConfig` maps them to that rank's samples: step *i* →
+the DP rank's microbatches of global batch *i* (:mod:`ray_ppu.data.order`) → tokens read by
+Megatron's dataset in a Ray Data actor. Ranks that read nothing (TP ranks > 0, middle pipeline
+stages) get ``None`` and receive their batch by broadcast inside the TP group.
 """
 
 from __future__ import annotations
@@ -28,29 +29,30 @@ class _RankReader:
     """A Ray Data actor reading one DP rank's samples: opens the corpus and Megatron's cached
     indices once (mmap), then turns iteration numbers into that rank's microbatch rows."""
 
-    def __init__(self, spec: idxmap.SampleSpec, dp_rank: int, dp_size: int,
-                 global_batch_size: int) -> None:
-        self.spec, self.dp_rank, self.dp_size = spec, dp_rank, dp_size
-        self.global_batch_size = global_batch_size
-        idxmap.dataset(spec)
+    def __init__(self, spec: idxmap.SampleSpec, split: str, dp_rank: int, dp_size: int,
+                 global_batch_size: int, micro_batch_size: int) -> None:
+        self.spec, self.split, self.dp_rank, self.dp_size = spec, split, dp_rank, dp_size
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        idxmap.dataset(spec, split)
 
     def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        ids = rank_sample_ids(batch["iteration"], self.dp_rank, self.dp_size, self.global_batch_size)
-        return idxmap.read(self.spec, ids)
+        ids = rank_sample_ids(batch["iteration"], self.dp_rank, self.dp_size,
+                              self.global_batch_size, self.micro_batch_size)
+        return idxmap.read(self.spec, ids, self.split)
 
 
-def iterations_dataset(train_iters: int, start_iteration: Callable[[], int] = lambda: 0):
-    """The trainer's dataset factory: one row (``iteration``) per remaining iteration.
+def steps_dataset(total: int, start: Callable[[], int] = lambda: 0):
+    """A dataset factory: one row (``iteration``) per remaining step ``start() .. total``.
 
     A factory, not a Dataset: Ray Train calls it at every (re)start of the worker group, so a
-    restarted group sees the iterations left from its starting point.
+    restarted group sees the steps left from its starting point.
     """
 
     def make():
-        start = start_iteration()
-        remaining = train_iters - start
+        first = start()
+        remaining = max(0, total - first)
         ds = ray.data.range(remaining, override_num_blocks=max(1, min(remaining, 64)))
-        return ds.map_batches(_iteration_numbers, fn_kwargs={"start": start}, batch_format="numpy")
+        return ds.map_batches(_iteration_numbers, fn_kwargs={"start": first}, batch_format="numpy")
 
     return make
 
@@ -63,10 +65,10 @@ class IdxmapDataConfig(ray.train.DataConfig):
     """
 
     def __init__(self, spec: idxmap.SampleSpec, tp: int, pp: int, cp: int, global_batch_size: int,
-                 reader_cpus: float = 0.5) -> None:
+                 micro_batch_size: int, reader_cpus: float = 0.5) -> None:
         super().__init__(datasets_to_split=[])
         self.spec, self.tp, self.pp, self.cp = spec, tp, pp, cp
-        self.global_batch_size = global_batch_size
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.reader_cpus = reader_cpus
 
     def configure(self, datasets, world_size: int, worker_handles=None, worker_node_ids=None,
@@ -79,8 +81,10 @@ class IdxmapDataConfig(ray.train.DataConfig):
             for rank, dp_rank in dims.data_ranks():
                 rank_ds = ds.map_batches(
                     _RankReader,
-                    fn_constructor_kwargs=dict(spec=self.spec, dp_rank=dp_rank, dp_size=dims.dp,
-                                               global_batch_size=self.global_batch_size),
+                    fn_constructor_kwargs=dict(spec=self.spec, split=name, dp_rank=dp_rank,
+                                               dp_size=dims.dp,
+                                               global_batch_size=self.global_batch_size,
+                                               micro_batch_size=self.micro_batch_size),
                     # One long-lived reader per rank: a process per read task would pay the
                     # torch/Megatron import each time and crowd the training processes' cores.
                     concurrency=1,
