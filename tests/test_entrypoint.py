@@ -27,7 +27,7 @@ def test_stop_signal_ends_the_job_and_its_workers(corpus, tmp_path):
     cmd = [sys.executable, str(REPO / "entrypoints" / "pretrain.py"),
            "--config", str(REPO / "entrypoints" / "configs" / "demo.yaml"),
            f"data.data_path=[{corpus}]", f"output.dir={out}", "training.train_iters=100000",
-           "training.log_interval=1", "training.seq_length=32"]
+           "training.log_interval=1", "training.seq_length=32", "training.eval_iters=0"]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 240

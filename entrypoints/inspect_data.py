@@ -1,0 +1,95 @@
+"""What does my model see? The first samples one data-parallel rank would train on, in order.
+
+    python entrypoints/inspect_data.py --config run.yaml --dp-size 16 --dp-rank 3 --num-samples 4
+    python entrypoints/inspect_data.py --config run.yaml --tokenizer /ckpt/Qwen2.5-7B   # + text
+
+Prints one JSON line per sample: its global sample id, the iteration and microbatch it belongs
+to, its token ids, and (with --tokenizer) the decoded text. The ids come from the same functions
+the Ray Data stream uses (Megatron's dataset built from the config, Megatron-LM's sampler order),
+without Ray or workers; Megatron's indices are built into / loaded from the run's index cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ray_ppu.config.loader import ConfigError, load  # noqa: E402
+from ray_ppu.data import idxmap  # noqa: E402
+from ray_ppu.data.checks import CorpusError  # noqa: E402
+from ray_ppu.data.order import rank_sample_ids  # noqa: E402
+from ray_ppu.plan import build_plan  # noqa: E402
+from ray_ppu.run import absolute_paths  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML run config")
+    parser.add_argument("--dp-size", type=int, help="data-parallel size (default: the config's)")
+    parser.add_argument("--dp-rank", type=int, default=0, help="which DP rank (default 0)")
+    parser.add_argument("--num-samples", type=int, default=4, help="how many samples to print")
+    parser.add_argument("--start-iteration", type=int, default=0,
+                        help="first iteration (a resumed run starts after its checkpoint)")
+    parser.add_argument("--split", choices=idxmap.SPLITS, default="train")
+    parser.add_argument("--tokenizer", help="HF tokenizer directory: also print decoded text")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value")
+    return parser.parse_args(argv)
+
+
+def rank_samples(spec: idxmap.SampleSpec, split: str, dp_rank: int, dp_size: int,
+                 global_batch_size: int, micro_batch_size: int, start_iteration: int,
+                 num_samples: int):
+    """Yield (sample id, iteration, microbatch, token ids) for the rank's first samples."""
+    per_rank = global_batch_size // dp_size
+    iterations = np.arange(start_iteration, start_iteration + -(-num_samples // per_rank))
+    ids = rank_sample_ids(iterations, dp_rank, dp_size, global_batch_size, micro_batch_size)
+    tokens = idxmap.read(spec, ids[:num_samples], split)["tokens"]
+    for n, (sample_id, row) in enumerate(zip(ids[:num_samples], tokens)):
+        iteration = start_iteration + n // per_rank
+        yield int(sample_id), int(iteration), (n % per_rank) // micro_batch_size, row.tolist()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = absolute_paths(load(args.config, args.overrides))
+        plan = build_plan(cfg)
+        dp = args.dp_size or plan.data_parallel_size
+        step = plan.micro_batch_size * dp
+        if dp < 1 or not 0 <= args.dp_rank < dp or plan.global_batch_size % step:
+            raise ConfigError(f"--dp-rank {args.dp_rank} of --dp-size {dp}: need 0 ≤ rank < size "
+                              f"and global_batch_size {plan.global_batch_size} divisible by "
+                              f"micro_batch_size {plan.micro_batch_size} × {dp} = {step}")
+        spec = idxmap.spec_for(cfg, plan)
+        if args.split == "valid" and not spec.valid_samples:
+            raise ConfigError("--split valid: the config runs no validation (training.eval_iters=0)")
+        idxmap.prepare(spec)
+    except (ConfigError, CorpusError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    tokenizer = None
+    if args.tokenizer:
+        from ray_ppu.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    for sample_id, iteration, microbatch, tokens in rank_samples(
+            spec, args.split, args.dp_rank, dp, plan.global_batch_size, plan.micro_batch_size,
+            args.start_iteration, args.num_samples):
+        row = {"sample_id": sample_id, "iteration": iteration, "microbatch": microbatch,
+               "tokens": tokens}
+        if tokenizer is not None:
+            row["text"] = tokenizer.decode(tokens)
+        print(json.dumps(row, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
