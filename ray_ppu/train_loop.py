@@ -69,6 +69,23 @@ def forward_step(batches, model, device: torch.device):
     return output, partial(loss_func, batch.get("loss_mask"))
 
 
+class _TimedIterator:
+    """Wraps a microbatch iterator and adds up the time spent waiting in ``next``."""
+
+    def __init__(self, batches: Iterator[Microbatch]) -> None:
+        self.batches, self.waited_s = batches, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Microbatch:
+        start = time.perf_counter()
+        try:
+            return next(self.batches)
+        finally:
+            self.waited_s += time.perf_counter() - start
+
+
 @dataclass
 class _Window:
     """Sums over the iterations since the last log line."""
@@ -78,6 +95,7 @@ class _Window:
     skipped: int = 0
     loss_sum: Optional[torch.Tensor] = None  # [masked loss sum, token count] on the last stage
     grad_norm: float = 0.0
+    data_wait_s: float = 0.0  # this rank's time blocked on the data stream at the window start
 
 
 def _mean_loss(stats: Optional[torch.Tensor], device: torch.device) -> float:
@@ -154,6 +172,8 @@ def train(
 
     forward_backward = get_forward_backward_func()
     step = partial(forward_step, device=device)
+    timed = _TimedIterator(batches) if batches is not None else None
+    batches = timed
     data = [batches] * len(model)  # one per virtual stage; only first/last chunks pull from it
     tokens_per_iteration = plan.global_batch_size * plan.seq_length
     window = _Window(start=time.perf_counter())
@@ -199,11 +219,15 @@ def train(
                 "grad_norm": window.grad_norm,
                 "skipped_iterations": window.skipped,
                 "step_time_s": step_time,
+                # rank 0's wait on its data stream per iteration (it reads on every layout)
+                "data_wait_s": ((timed.waited_s - window.data_wait_s) / window.iterations
+                                if timed is not None else 0.0),
                 "tokens_per_s": tokens_per_iteration / step_time,
                 "elapsed_s": time.perf_counter() - run_start,
                 "eta_s": remaining * step_time,
             }
-            window = _Window(start=now)  # on_log's cost (e.g. a Ray report) counts in the next window
+            # on_log's cost (e.g. a Ray report) counts in the next window
+            window = _Window(start=now, data_wait_s=timed.waited_s if timed else 0.0)
             on_log(metrics)
         if plan.eval_iters and (done % plan.eval_interval == 0 or done == plan.train_iters):
             eval_start = time.perf_counter()
