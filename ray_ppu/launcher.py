@@ -8,6 +8,7 @@ The only module (with ``ray_ppu.data.ray_stream``) that imports Ray. Workers run
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -26,7 +27,7 @@ from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap
 from ray_ppu.data.order import valid_steps
 from ray_ppu.data.ray_stream import IdxmapDataConfig, steps_dataset
-from ray_ppu.plan import Plan
+from ray_ppu.plan import ParallelDims, Plan
 
 log = logging.getLogger("ray_ppu")
 
@@ -53,8 +54,15 @@ def connect(cfg: RunConfig) -> bool:
     os.environ.setdefault("RAY_custom_unit_instance_resources", UNIT_INSTANCE_RESOURCES)
     c = cfg.cluster
     ppus = c.simulated_ppus or int(c.num_workers * c.ppu_per_worker)
-    # Logical CPUs: the workers' own plus room for Ray Data read tasks; the OS shares the cores.
-    cpus = max(os.cpu_count() or 1, int(c.num_workers * c.cpus_per_worker) + 4)
+    # Logical CPUs: the workers' own plus every reader actor's (reading ranks × splits ×
+    # reader_actors × reader_cpus) plus one for Ray Data's own tasks; the OS shares the cores.
+    # Too few and a reader actor waits for a CPU forever while its rank waits for data.
+    p, d = cfg.parallel, cfg.data
+    dims = ParallelDims(c.num_workers, p.tensor_model_parallel_size,
+                        p.pipeline_model_parallel_size, p.context_parallel_size)
+    splits = 2 if cfg.training.eval_iters else 1
+    readers = len(list(dims.data_ranks())) * splits * d.reader_actors * d.reader_cpus
+    cpus = max(os.cpu_count() or 1, math.ceil(c.num_workers * c.cpus_per_worker + readers) + 1)
     ray.init(num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
     return True
 
@@ -184,6 +192,7 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
             plan.global_batch_size,
             plan.micro_batch_size,
             cfg.data.reader_cpus,
+            cfg.data.reader_actors,
         ),
     )
 

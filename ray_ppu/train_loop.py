@@ -26,8 +26,10 @@ _INT_KEYS = ("tokens", "labels", "position_ids")
 
 
 def _as_tensors(batch: dict, device: torch.device) -> dict:
-    # torch.tensor copies: Ray Data hands out read-only arrays from its object store.
-    return {k: torch.tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
+    # torch.tensor copies (Ray Data hands out read-only arrays from its object store) and
+    # widens the int32 ids to the int64 Megatron's embedding and loss expect.
+    return {k: torch.tensor(v, dtype=torch.int64 if k in _INT_KEYS else torch.float32)
+            .to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device) -> dict:
@@ -155,6 +157,8 @@ def train(
     on_log: Callable[[dict], None],
     start_iteration: int = 0,
     valid_batches: Optional[Iterator[Microbatch]] = None,
+    save_interval: Optional[int] = None,
+    on_save: Optional[Callable[[int, dict], None]] = None,
 ) -> dict:
     """Run iterations ``start_iteration .. plan.train_iters``; returns the last logged metrics.
 
@@ -163,7 +167,10 @@ def train(
     optimizer step (clips, steps, and with the distributed optimizer all-gathers params) →
     scheduler step by the global batch in samples. Every ``log_interval`` iterations the window's
     numbers are reduced and handed to ``on_log`` on every rank; every ``plan.eval_interval``
-    iterations and at the end (when ``plan.eval_iters`` > 0) a validation pass is too.
+    iterations and at the end (when ``plan.eval_iters`` > 0) a validation pass is too. Then,
+    every ``save_interval`` iterations and at the end, ``on_save(iteration, metrics)`` runs on
+    every rank (a collective checkpoint save: the state then is exactly "``iteration``
+    iterations done", validation included).
     """
     config = get_attr_wrapped_model(model[0], "config")
     config.grad_scale_func = optimizer.scale_loss
@@ -177,7 +184,9 @@ def train(
     data = [batches] * len(model)  # one per virtual stage; only first/last chunks pull from it
     tokens_per_iteration = plan.global_batch_size * plan.seq_length
     window = _Window(start=time.perf_counter())
-    metrics: dict = {}
+    # What a run resumed at its very end (nothing left to train) reports.
+    metrics: dict = {"iteration": start_iteration, "train_iters": plan.train_iters,
+                     "consumed_samples": start_iteration * plan.global_batch_size}
     run_start = time.perf_counter()
 
     for iteration in range(start_iteration, plan.train_iters):
@@ -235,4 +244,9 @@ def train(
             on_log({**result, "eval_time_s": time.perf_counter() - eval_start})
             metrics.update(result)
             window.start += time.perf_counter() - eval_start  # keep step times training-only
+        if on_save is not None and (done == plan.train_iters
+                                    or (save_interval and done % save_interval == 0)):
+            save_start = time.perf_counter()
+            on_save(done, dict(metrics))
+            window.start += time.perf_counter() - save_start  # likewise for checkpoint time
     return metrics

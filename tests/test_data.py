@@ -128,7 +128,7 @@ def test_samples_are_read_as_arrays(corpus, tmp_path):
     s = spec(corpus, tmp_path)
     idxmap.prepare(s)
     batch = idxmap.read(s, np.array([0, 5, 63]))
-    assert batch["tokens"].shape == (3, 32) and batch["tokens"].dtype == np.int64
+    assert batch["tokens"].shape == (3, 32) and batch["tokens"].dtype == np.int32
     assert np.array_equal(batch["tokens"][1], idxmap.dataset(s)[5]["tokens"].numpy())
     assert np.array_equal(batch["tokens"][1, 1:], batch["labels"][1, :-1])  # shifted by one
     assert batch["position_ids"][0].tolist() == list(range(32))

@@ -248,15 +248,18 @@ def prepare(spec: SampleSpec) -> dict[str, int]:
 
 
 def read(spec: SampleSpec, sample_ids: np.ndarray, split: str = "train") -> dict[str, np.ndarray]:
-    """Stack samples ``sample_ids`` of ``split`` into int64/float32 arrays [n, seq_length]."""
+    """Samples ``sample_ids`` of ``split`` as arrays [n, seq_length]: token ids, labels and
+    positions int32 (half the bytes of int64 through Ray's object store; the training side
+    widens them), loss mask float32."""
     ds = dataset(spec, split)
-    samples = [ds[int(i)] for i in sample_ids]
-    return {
-        key: np.stack([s[key].numpy() for s in samples]).astype(
-            np.float32 if key == "loss_mask" else np.int64
-        )
-        for key in SAMPLE_KEYS
-    }
+    n = len(sample_ids)
+    out = {key: np.empty((n, spec.seq_length), np.float32 if key == "loss_mask" else np.int32)
+           for key in SAMPLE_KEYS}
+    for row, i in enumerate(sample_ids):
+        sample = ds[int(i)]
+        for key in SAMPLE_KEYS:
+            out[key][row] = sample[key].numpy()
+    return out
 
 
 def spec_for(cfg, plan) -> SampleSpec:

@@ -65,11 +65,11 @@ class IdxmapDataConfig(ray.train.DataConfig):
     """
 
     def __init__(self, spec: idxmap.SampleSpec, tp: int, pp: int, cp: int, global_batch_size: int,
-                 micro_batch_size: int, reader_cpus: float = 0.5) -> None:
+                 micro_batch_size: int, reader_cpus: float = 0.5, reader_actors: int = 2) -> None:
         super().__init__(datasets_to_split=[])
         self.spec, self.tp, self.pp, self.cp = spec, tp, pp, cp
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        self.reader_cpus = reader_cpus
+        self.reader_cpus, self.reader_actors = reader_cpus, reader_actors
 
     def configure(self, datasets, world_size: int, worker_handles=None, worker_node_ids=None,
                   **kwargs) -> List[Dict[str, Optional[ray.data.DataIterator]]]:
@@ -85,9 +85,9 @@ class IdxmapDataConfig(ray.train.DataConfig):
                                                dp_size=dims.dp,
                                                global_batch_size=self.global_batch_size,
                                                micro_batch_size=self.micro_batch_size),
-                    # One long-lived reader per rank: a process per read task would pay the
+                    # Long-lived readers per rank: a process per read task would pay the
                     # torch/Megatron import each time and crowd the training processes' cores.
-                    concurrency=1,
+                    concurrency=self.reader_actors,
                     batch_size=1,  # one iteration's samples per call: low latency to first batch
                     batch_format="numpy",
                     num_cpus=self.reader_cpus,
