@@ -150,7 +150,10 @@ class DataConfig:
     eod_token_id: int = 151_643
     """End-of-document token appended between documents (Qwen2: <|endoftext|> = 151643)."""
     reader_cpus: float = 0.5
-    """Logical CPUs each Ray Data read task reserves."""
+    """Logical CPUs each Ray Data reader actor reserves."""
+    reader_actors: int = 2
+    """Ray Data reader actors per data-reading rank and split: they read successive iterations
+    in parallel; Ray Data hands them out in order."""
     prefetch_batches: int = 4
     """Microbatches each data-reading rank keeps in flight ahead of the training loop."""
 
