@@ -54,19 +54,21 @@ def main(argv=None) -> int:
         print(json.dumps({"config": cfg.to_dict(), "plan": plan.to_dict()}, indent=2))
         return 0
 
+    import ray
+
     from ray_ppu.data.checks import CorpusError
-    from ray_ppu.launcher import ClusterError, launch
+    from ray_ppu.launcher import ClusterError, connect, launch
 
-    if demo:
-        from ray_ppu.data.preprocess import build_stdlib_corpus
-        from ray_ppu.data.tokenizer import qwen2
-
-        stats = build_stdlib_corpus(cfg.data.data_path[0], qwen2())
-        if stats:
-            logging.info("demo corpus: %d standard-library files, %d Qwen2 tokens -> %s",
-                         stats.documents, stats.tokens, stats.prefix)
-    prepare_output(cfg, plan)
+    started = False
     try:
+        if demo:
+            # The demo's corpus is made the way users make theirs: JSONL shards tokenized by
+            # Ray Data with a Hugging Face tokenizer (preprocess_data.py's code path).
+            from ray_ppu.data.preprocess import build_demo_corpus
+
+            started = connect(cfg)  # the Ray (with simulated PPUs) the run will use too
+            build_demo_corpus(Path(cfg.data.data_path[0]).parent)
+        prepare_output(cfg, plan)
         final = launch(cfg, plan)
     except (ConfigError, ClusterError, CorpusError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -74,6 +76,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: workers stopped", file=sys.stderr)
         return 130
+    finally:
+        if started:
+            ray.shutdown()
     print(json.dumps({"final": final}))
     return 0
 

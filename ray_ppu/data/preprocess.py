@@ -1,22 +1,41 @@
 """Text → Megatron idxmap (``prefix.bin`` / ``prefix.idx``) with Megatron's own writer.
 
 One document per text, EOD appended (as Megatron's preprocess_data.py ``--append-eod``), token
-ids stored as int32 (the Qwen2 vocabulary does not fit uint16).
+ids stored in the dtype Megatron's ``DType.optimal_dtype`` picks for the vocabulary (int32 for
+Qwen2 and LLaMA-3: they do not fit uint16).
+
+Two ways in:
+
+* :func:`write_idxmap` — texts from a Python iterable, tokenized in this process (tests, demo);
+* :func:`preprocess_with_ray` — JSONL / JSON / Parquet files, read and tokenized in parallel by
+  Ray Data and written, in input order, by this process (``entrypoints/preprocess_data.py``).
+
+Both produce byte-identical files for the same texts and tokenizer.
 """
 
 from __future__ import annotations
 
+import codecs
+import glob
+import json
 import logging
+import os
 import sysconfig
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
-import torch
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+import pyarrow as pa
+import ray.data
+from ray.data.datasource import FileBasedDatasource
 
-from ray_ppu.data.tokenizer import Tokenizer
+from ray_ppu.data.tokenizer import Tokenizer, export_qwen2_tokenizer, load_tokenizer
+
+# torch and Megatron are imported where the files are written, not here: every Ray Data actor
+# imports this module to unpickle its tokenizer class, and those two imports would cost each
+# actor seconds of CPU for nothing.
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +51,13 @@ class CorpusStats:
 def write_idxmap(texts: Iterable[str], tokenizer: Tokenizer, prefix: str | Path,
                  batch_size: int = 64) -> CorpusStats:
     """Tokenize ``texts`` and write ``prefix.bin/.idx``; empty texts are skipped and counted."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp_bin = prefix.with_name(prefix.name + ".bin.tmp")
-    builder = IndexedDatasetBuilder(str(tmp_bin), dtype=np.int32)
+    builder = IndexedDatasetBuilder(str(tmp_bin), dtype=DType.optimal_dtype(tokenizer.vocab_size))
     documents = tokens = skipped = 0
     batch: list[str] = []
 
@@ -91,3 +113,403 @@ def build_stdlib_corpus(prefix: str | Path, tokenizer: Tokenizer, max_bytes: int
     if prefix.with_name(prefix.name + ".bin").is_file() and prefix.with_name(prefix.name + ".idx").is_file():
         return None
     return write_idxmap(stdlib_sources(max_bytes), tokenizer, prefix)
+
+
+# --- JSONL / JSON / Parquet → idxmap, in parallel with Ray Data -----------------------------------
+#
+# Reading: a small FileBasedDatasource of our own rather than ray.data.read_json: read_json
+# fails a whole JSONL file when one record's text is not a string (its pyarrow parser wants one
+# type per column and its json.load fallback cannot read JSONL), and with lines=True it reads
+# through pandas, which turns the text "123" into the number 123. Here every record becomes one
+# row — text, or the reason it has none — so nothing is dropped unseen.
+#
+# Tokenizing: map_batches with an actor class that holds the tokenizer, one actor per CPU. The
+# UDF takes whole blocks (batch_size=None), which lets Ray Data fuse the read into the actors
+# (plan: ActorPoolMapOperator[Read_TextRecords->MapBatches(_TokenizeBatch)]): a file is read by
+# the actor that tokenizes it, and no read task waits for a CPU that the actors already hold —
+# unfused, an actor per CPU starves the reads and the job hangs. The unit of parallelism is
+# therefore the input file: shard large corpora into at least as many files as workers.
+# Writing: this process, in input order (preserve_order), with Megatron's IndexedDatasetBuilder.
+
+SKIP_REASONS = ("empty", "missing", "not_string")
+_COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".lz4")  # pyarrow decompresses by file name
+# One tokenizer call per block of records: bounded in rows and in text bytes.
+_RECORDS_PER_BLOCK = 1024
+_TEXT_BYTES_PER_BLOCK = 16 << 20
+
+
+class PreprocessError(ValueError):
+    """Bad preprocessing input: no such file, a malformed file, or a record ``--strict`` rejects."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        # Ray appends its retry advice to args when the error crosses from a worker; keep ours.
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _input_format(name: str) -> str | None:
+    """``jsonl``, ``json`` or ``parquet`` from a file name; None for anything else."""
+    name = name.lower()
+    if name.endswith(".parquet"):
+        return "parquet"
+    for suffix in _COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    if name.endswith((".jsonl", ".ndjson")):
+        return "jsonl"
+    if name.endswith(".json"):
+        return "json"  # a JSON array of objects, or JSONL under a .json name (decided on read)
+    return None
+
+
+def _is_data_file(path: Path) -> bool:
+    # Hidden and underscore files are bookkeeping (.crc, _SUCCESS, our own .tmp files), not data.
+    return path.is_file() and not path.name.startswith((".", "_")) and _input_format(path.name) is not None
+
+
+def resolve_inputs(paths: Sequence[str | Path]) -> list[str]:
+    """Expand files, directories (recursively) and globs into absolute data-file paths.
+
+    Order is the order of ``paths``; within a directory or glob, sorted by path. Raises
+    PreprocessError naming the path when a path does not exist or matches no .jsonl / .ndjson
+    / .json / .parquet file (optionally .gz / .zst / .bz2 / .lz4 compressed for JSON).
+    """
+    if not paths:
+        raise PreprocessError("no input paths given")
+    files: list[str] = []
+    for spec in map(str, paths):
+        path = Path(spec)
+        if path.is_file():
+            if _input_format(path.name) is None:
+                raise PreprocessError(f"{spec}: not a .jsonl, .json or .parquet file")
+            found = [path]
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob("*") if _is_data_file(p))
+            if not found:
+                raise PreprocessError(f"{spec}: directory holds no .jsonl, .json or .parquet files")
+        elif glob.has_magic(spec):
+            found = []
+            for match in sorted(glob.glob(spec, recursive=True)):
+                m = Path(match)
+                found += sorted(p for p in m.rglob("*") if _is_data_file(p)) if m.is_dir() else [m]
+            found = [p for p in found if _is_data_file(p)]
+            if not found:
+                raise PreprocessError(f"{spec}: no .jsonl, .json or .parquet files match")
+        else:
+            raise PreprocessError(f"{spec}: no such file or directory")
+        # Absolute: Ray workers do not share this process's working directory.
+        files.extend(str(p.resolve()) for p in found)
+    return files
+
+
+def _json_line(line: bytes, path: str, number: int) -> object:
+    try:
+        return json.loads(line)
+    except ValueError as err:  # a corrupt file is an error, never a skipped record
+        raise PreprocessError(f"{path}: line {number}: invalid JSON: {err}") from None
+
+
+def _classify(record: object, key: str) -> tuple[str | None, str | None]:
+    """(text, None) for a usable record, else (None, skip reason)."""
+    if not isinstance(record, dict):
+        return None, "missing"
+    value = record.get(key)
+    if value is None:
+        return None, "missing"
+    if not isinstance(value, str):
+        return None, "not_string"
+    if not value.strip():  # the same test as write_idxmap, so both paths skip the same texts
+        return None, "empty"
+    return value, None
+
+
+class _TextRecords(FileBasedDatasource):
+    """One row per record of JSONL / JSON-array / Parquet files: ``text`` (null when unusable),
+    ``skip`` (the reason, null when usable), ``source`` (the file) and ``where`` (the record's
+    place in it, for messages)."""
+
+    def __init__(self, paths: list[str], key: str) -> None:
+        super().__init__(paths)
+        self._key = key
+
+    def _open_input_source(self, filesystem, path: str, **open_args):
+        if _input_format(path) == "parquet":  # the footer is at the end: needs random access
+            return filesystem.open_input_file(path)
+        return super()._open_input_source(filesystem, path, **open_args)
+
+    def _read_stream(self, f, path: str):
+        if _input_format(path) == "parquet":
+            yield from self._read_parquet(f, path)
+        else:
+            yield from self._read_json(f, path)
+
+    def _table(self, rows: list[tuple[str | None, str | None, str]], path: str):
+        texts, skips, wheres = zip(*rows)
+        return pa.table({
+            "text": pa.array(texts, pa.large_string()),
+            "skip": pa.array(skips, pa.string()),
+            "source": pa.array([path] * len(rows), pa.string()),
+            "where": pa.array(wheres, pa.string()),
+        })
+
+    def _records_out(self, records: Iterable[tuple[object, str]], path: str):
+        rows, size = [], 0
+        for record, where in records:
+            text, skip = _classify(record, self._key)
+            rows.append((text, skip, where))
+            size += len(text) if text else 0
+            if len(rows) == _RECORDS_PER_BLOCK or size >= _TEXT_BYTES_PER_BLOCK:
+                yield self._table(rows, path)
+                rows, size = [], 0
+        if rows:
+            yield self._table(rows, path)
+
+    def _read_json(self, f, path: str):
+        chunk_bytes = 8 << 20
+        head = f.read(chunk_bytes).removeprefix(codecs.BOM_UTF8)  # some Windows tools write one
+        if head.lstrip()[:1] == b"[":  # a JSON array of records: it has to be parsed whole
+            try:
+                records = json.loads(head + f.read())
+            except ValueError as err:
+                raise PreprocessError(f"{path}: invalid JSON: {err}") from None
+            if not isinstance(records, list):
+                raise PreprocessError(f"{path}: expected a JSON array of records")
+            yield from self._records_out(((r, f"element {i}") for i, r in enumerate(records)), path)
+            return
+
+        def lines():  # JSONL, streamed: one chunk of the file in memory at a time
+            pending, number, chunk = b"", 0, head
+            while chunk:
+                pieces = (pending + chunk).split(b"\n")
+                pending = pieces.pop()  # the last piece may continue in the next chunk
+                for line in pieces:
+                    number += 1
+                    if line.strip():  # a blank line is not a record (files often end in one)
+                        yield _json_line(line, path, number), f"line {number}"
+                chunk = f.read(chunk_bytes)
+            if pending.strip():
+                yield _json_line(pending, path, number + 1), f"line {number + 1}"
+
+        yield from self._records_out(lines(), path)
+
+    def _read_parquet(self, f, path: str):
+        import pyarrow.parquet as pq
+
+        parquet = pq.ParquetFile(f)
+        if self._key not in parquet.schema_arrow.names:
+            # Every row lacks the field: count each one, as for JSON.
+            n = parquet.metadata.num_rows
+            yield from self._records_out(((None, f"row {i}") for i in range(n)), path)
+            return
+        row = 0
+        for batch in parquet.iter_batches(batch_size=_RECORDS_PER_BLOCK, columns=[self._key]):
+            values = batch.column(0).to_pylist()
+            yield from self._records_out(
+                (({self._key: v}, f"row {row + i}") for i, v in enumerate(values)), path)
+            row += len(values)
+
+
+class _TokenizeBatch:
+    """Ray Data actor: token ids (EOD appended) of each usable row of a batch; empty for skipped rows."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        # Each actor holds one CPU; the Rust tokenizer would otherwise start a thread per core.
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.tokenizer = tokenizer
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        texts = batch.column("text").to_pylist()
+        encoded = iter(self.tokenizer.encode_batch([t for t in texts if t is not None]))
+        eod = self.tokenizer.eod
+        ids = [[*next(encoded), eod] if t is not None else [] for t in texts]
+        return pa.table({
+            "ids": pa.array(ids, pa.list_(pa.int32())),
+            "skip": batch.column("skip"),
+            "source": batch.column("source"),
+            "where": batch.column("where"),
+        })
+
+
+@dataclass(frozen=True)
+class PreprocessStats:
+    """What :func:`preprocess_with_ray` wrote and skipped (``to_dict`` is the entry point's JSON)."""
+
+    prefix: str
+    files: int
+    documents: int
+    tokens: int  # written, EOD included
+    skipped: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    workers: int = 0
+    dtype: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["seconds"] = round(self.seconds, 3)
+        out["tokens_per_s"] = round(self.tokens_per_s, 1)
+        return out
+
+
+def _skip_message(key: str, reason: str, source: str, where: str) -> str:
+    what = {"missing": f"has no {key!r} field", "not_string": f"field {key!r} is not a string",
+            "empty": f"field {key!r} is empty"}[reason]
+    return f"{source}: {where}: {what}"
+
+
+def _preprocess_error_in(err: BaseException) -> PreprocessError | None:
+    """Our own error inside the wrappers Ray puts around an exception raised in a worker."""
+    todo, seen = [err], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if type(e) is PreprocessError:
+            return PreprocessError(e.message)
+        # RayTaskError keeps the worker's exception in .cause; Ray Data chains its own on top.
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None
+
+
+def _tokenized_dataset(files: list[str], json_key: str, tokenizer: Tokenizer, workers: int):
+    """Rows of (ids, skip, source, where), one per input record, in input order."""
+    # One read task per file: with fewer files than its target parallelism Ray Data would split
+    # the read into its own task pool, which breaks the fusion described above.
+    ds = ray.data.read_datasource(_TextRecords(files, json_key), override_num_blocks=len(files))
+    # The dataset's own copy of the DataContext: other datasets of this process are unaffected.
+    ds.context.execution_options.preserve_order = True
+    # A task is a whole file: queue at most one more per actor, or the first actor to start
+    # collects several files while the others sit idle.
+    pool = ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2)
+    return ds.map_batches(_TokenizeBatch, fn_constructor_args=(tokenizer,), batch_size=None,
+                          batch_format="pyarrow", compute=pool, num_cpus=1)
+
+
+def preprocess_with_ray(inputs: Sequence[str | Path], output_prefix: str | Path,
+                        tokenizer: Tokenizer | str | Path, *, json_key: str = "text",
+                        workers: int | None = None, strict: bool = False) -> PreprocessStats:
+    """Tokenize JSONL / JSON-array / Parquet files with Ray Data into ``output_prefix.bin/.idx``.
+
+    ``inputs``: files, directories or globs (see :func:`resolve_inputs`). ``tokenizer``: a
+    :class:`Tokenizer` or a Hugging Face tokenizer directory. One document per record with
+    EOD appended, in input order, so the same input always gives byte-identical files.
+    Records whose ``json_key`` is empty, missing or not a string are skipped and counted by
+    reason; with ``strict`` a missing or non-string one raises PreprocessError naming the file
+    and the key. ``workers``: tokenizer actors (default: the cluster's CPUs); each reads and
+    tokenizes whole input files, so more workers than files do not help. Needs a connected
+    Ray (``ray.init()``). The output files appear only when complete.
+    """
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    files = resolve_inputs(inputs)
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = load_tokenizer(tokenizer)
+    if workers is None:
+        workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    workers = min(workers, len(files))  # a worker per file at most: more would sit idle
+    prefix = Path(output_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    tmp_bin = prefix.with_name(f".{prefix.name}.bin.{os.getpid()}.tmp")
+    tmp_idx = prefix.with_name(f".{prefix.name}.idx.{os.getpid()}.tmp")
+    started = time.perf_counter()
+    ds = _tokenized_dataset(files, json_key, tokenizer, workers)
+
+    skipped = dict.fromkeys(SKIP_REASONS, 0)
+    first_skip: dict[str, str] = {}
+    documents = tokens = 0
+    builder = IndexedDatasetBuilder(str(tmp_bin), dtype=dtype)
+    try:
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            ids = batch.column("ids").combine_chunks()
+            values = ids.flatten().to_numpy()
+            ends = np.cumsum(ids.value_lengths().to_numpy())
+            reasons = batch.column("skip").to_pylist()
+            start = 0
+            for row, (end, reason) in enumerate(zip(ends, reasons)):
+                if reason is None:
+                    builder.add_document(values[start:end], [int(end - start)])
+                    documents += 1
+                    tokens += int(end - start)
+                else:
+                    source = batch.column("source")[row].as_py()
+                    where = batch.column("where")[row].as_py()
+                    if strict and reason != "empty":
+                        raise PreprocessError(_skip_message(json_key, reason, source, where))
+                    skipped[reason] += 1
+                    first_skip.setdefault(reason, _skip_message(json_key, reason, source, where))
+                start = int(end)
+        builder.finalize(str(tmp_idx))
+    except BaseException as err:
+        builder.data_file.close()
+        for tmp in (tmp_bin, tmp_idx):
+            tmp.unlink(missing_ok=True)
+        ours = _preprocess_error_in(err)
+        if ours is not None and type(err) is not PreprocessError:
+            raise ours from None  # the message, not a page of Ray traceback
+        raise
+    # .idx then .bin: a reader checks for both, and the .bin appears last.
+    tmp_idx.replace(prefix.with_name(prefix.name + ".idx"))
+    tmp_bin.replace(prefix.with_name(prefix.name + ".bin"))
+    seconds = time.perf_counter() - started
+
+    stats = PreprocessStats(str(prefix), len(files), documents, tokens, skipped, seconds, workers,
+                            np.dtype(dtype).name)
+    if any(skipped.values()):
+        log.warning("%s: skipped %d records (%s); first of each: %s", prefix, sum(skipped.values()),
+                    ", ".join(f"{r}: {n}" for r, n in skipped.items() if n), "; ".join(first_skip.values()))
+    log.info("%s: %d documents, %d tokens from %d files in %.1f s (%.0f tokens/s, %d workers)",
+             prefix, documents, tokens, len(files), seconds, stats.tokens_per_s, workers)
+    return stats
+
+
+DEMO_SHARDS = 4
+
+
+def build_demo_corpus(out_dir: str | Path, max_bytes: int = 4_000_000, workers: int | None = None) -> str:
+    """The demo corpus the Hugging Face way; returns its idxmap prefix.
+
+    Exports the Qwen2 tokenizer to ``out_dir/tokenizer``, writes the standard library's
+    sources as ``DEMO_SHARDS`` JSONL shards under ``out_dir/raw/`` and tokenizes them with
+    :func:`preprocess_with_ray` (``workers`` tokenizer actors, default one per CPU) into
+    ``out_dir/stdlib_text_document``; does nothing when that
+    ``.bin``/``.idx`` already exist. The shards keep the files' order, so the corpus is
+    byte-identical to :func:`build_stdlib_corpus` with :func:`qwen2` for the same ``max_bytes``.
+
+    Ray: uses the Ray this process is connected to; if none, starts a local one and shuts it
+    down before returning (so a later ``ray.init`` with other resources, e.g. the launcher's
+    simulated PPUs, still works). Connect first to avoid starting Ray twice.
+    """
+    out_dir = Path(out_dir)
+    prefix = out_dir / "stdlib_text_document"
+    if prefix.with_name(prefix.name + ".bin").is_file() and prefix.with_name(prefix.name + ".idx").is_file():
+        return str(prefix)
+    tokenizer_dir = export_qwen2_tokenizer(out_dir / "tokenizer")
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    texts = list(stdlib_sources(max_bytes))
+    per_shard = -(-len(texts) // DEMO_SHARDS)
+    for shard in range(DEMO_SHARDS):
+        path = raw / f"stdlib-{shard:05d}-of-{DEMO_SHARDS:05d}.jsonl"
+        tmp = raw / f".{path.name}.tmp"
+        with tmp.open("w", encoding="utf-8") as out:
+            for text in texts[shard * per_shard:(shard + 1) * per_shard]:
+                out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+        tmp.replace(path)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init()
+    try:
+        preprocess_with_ray([str(raw)], prefix, tokenizer_dir, workers=workers)
+    finally:
+        if started_ray:
+            ray.shutdown()
+    return str(prefix)
