@@ -87,12 +87,14 @@ class IdxmapDataConfig(ray.train.DataConfig):
                                                micro_batch_size=self.micro_batch_size),
                     # Long-lived readers per rank: a process per read task would pay the
                     # torch/Megatron import each time and crowd the training processes' cores.
-                    concurrency=self.reader_actors,
+                    compute=ray.data.ActorPoolStrategy(size=self.reader_actors),
                     batch_size=1,  # one iteration's samples per call: low latency to first batch
                     batch_format="numpy",
                     num_cpus=self.reader_cpus,
                 )
                 # Samples must arrive in training order: the order is the data contract.
                 rank_ds.context.execution_options.preserve_order = True
+                # Job logs are files: tqdm bars redrawn with \r bury the progress lines.
+                rank_ds.context.enable_progress_bars = False
                 output[rank][name] = rank_ds.iterator()
         return output
