@@ -7,11 +7,14 @@ The only module (with ``ray_ppu.data.ray_stream``) that imports Ray. Workers run
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import math
 import os
 import signal
 import time
+import uuid
 import warnings
 from pathlib import Path
 
@@ -21,7 +24,7 @@ import torch
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import devices
+from ray_ppu import checkpoint, devices
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap
@@ -148,6 +151,12 @@ def _train_worker(payload: dict) -> dict:
         return iter(shard.iter_batches(batch_size=plan.micro_batch_size, batch_format="numpy",
                                        prefetch_batches=cfg.data.prefetch_batches))
 
+    # Where this group starts: the decision the dataset factories made moments ago in the
+    # controller, made again here from the same files, and checked against their record
+    # (ray_ppu.checkpoint's docstring: the two must agree or the data would be misaligned).
+    resume = checkpoint.resume_point(cfg)
+    start_iteration = checkpoint.check_stream_start(cfg, payload["token"], resume)
+    _check_against_ray(cfg, resume)
     batches = stream("train")
     valid_batches = stream("valid") if plan.eval_iters else None
     # As many compute threads as CPUs Ray reserved for this worker (torchrun sets
@@ -156,21 +165,62 @@ def _train_worker(payload: dict) -> dict:
     device_id = assigned_device_id(cfg.cluster.resource_name) if backend == "ppu" else 0
     # No ray.train.report per log line: Ray Train drains one report per health-check interval
     # (2 s), so frequent reports would throttle training. Metrics go to metrics.jsonl and
-    # TensorBoard; the final metrics come back as the run's return value.
-    return worker.run(cfg, plan, backend, device_id, batches, valid_batches)
+    # TensorBoard; the final metrics come back as the run's return value. Checkpoints are
+    # reported (save points only), so Ray Train knows them and deletes the oldest.
+    return worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
+                      resume, on_checkpoint=_report_checkpoint)
+
+
+def _report_checkpoint(path: Path, metrics: dict) -> None:
+    """Register a complete checkpoint with Ray Train; every rank calls it (report is a barrier).
+
+    The checkpoint is one directory all ranks wrote into, already inside Ray Train's run
+    directory (checkpoint.save_root): only rank 0 names it, and NO_UPLOAD registers it where it
+    is instead of copying it (Ray 2.60 accepts that only for directories under the run's
+    storage path, and requires every rank that names a checkpoint to name the same path).
+    """
+    rank0 = ray.train.get_context().get_world_rank() == 0
+    ray.train.report(
+        {**metrics, "checkpoint": path.name},
+        checkpoint=ray.train.Checkpoint.from_directory(str(path)) if rank0 else None,
+        checkpoint_dir_name=path.name,
+        checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+    )
+
+
+def _check_against_ray(cfg: RunConfig, resume) -> None:
+    """Our save root must be Ray Train's run directory (or Ray would not register our
+    checkpoints); and say so when Ray's latest registered checkpoint is not the one we load."""
+    storage = ray.train.get_context().get_storage()
+    ray_dir = Path(storage.experiment_fs_path).resolve()
+    if ray_dir != checkpoint.save_root(cfg):
+        raise checkpoint.CheckpointError(f"Ray Train's run directory {ray_dir} is not the "
+                                         f"checkpoint root {checkpoint.save_root(cfg)}")
+    registered = ray.train.get_checkpoint()
+    if registered is not None and (resume is None
+                                   or Path(registered.path).resolve() != Path(resume.path)):
+        # Ray's is newer but incomplete (no meta file), or ours is newer than Ray's (the group
+        # died between writing it and Ray registering it): the complete one on disk wins.
+        log.warning("Ray Train's latest checkpoint is %s; starting from the latest complete "
+                    "one, %s", registered.path, resume.path if resume else "none (from scratch)")
 
 
 def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
-                  spec: idxmap.SampleSpec) -> TorchTrainer:
-    """TorchTrainer with one worker per PPU, the idxmap stream, and the failure policy."""
+                  spec: idxmap.SampleSpec, token: str = "") -> TorchTrainer:
+    """TorchTrainer with one worker per PPU, the idxmap stream, checkpoints and the failure
+    policy. ``token`` identifies this launch in the stream-start record (checkpoint.py)."""
     c = cfg.cluster
-    output = Path(cfg.output.dir).expanduser().resolve()
-    datasets = {"train": steps_dataset(plan.train_iters)}
+    root = checkpoint.save_root(cfg)
+    # The streams start where the checkpoint the workers will load ends: Ray Train calls these
+    # factories at every (re)start of the worker group, and they read it from disk then.
+    start = functools.partial(checkpoint.stream_start, cfg, plan.eval_interval, plan.eval_iters,
+                              token)
+    datasets = {"train": steps_dataset(plan.train_iters, start=functools.partial(start, "train"))}
     if plan.eval_iters:
-        datasets["valid"] = steps_dataset(valid_steps(plan))
+        datasets["valid"] = steps_dataset(valid_steps(plan), start=functools.partial(start, "valid"))
     return TorchTrainer(
         _train_worker,
-        train_loop_config={"cfg": cfg, "plan": plan, "backend": backend},
+        train_loop_config={"cfg": cfg, "plan": plan, "backend": backend, "token": token},
         # Explicit: TorchConfig(backend=None) would pick gloo for a custom resource like PPU.
         torch_config=TorchConfig(backend=devices.dist_backend(backend)),
         scaling_config=ScalingConfig(
@@ -179,9 +229,10 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
             resources_per_worker={c.resource_name: c.ppu_per_worker, "CPU": c.cpus_per_worker},
         ),
         run_config=ray.train.RunConfig(
-            name=cfg.output.name or output.name,
-            storage_path=str(output / "ray_train"),
+            name=root.name,
+            storage_path=str(root.parent),  # checkpoints are written straight into <this>/<name>
             failure_config=FailureConfig(max_failures=c.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
         ),
         datasets=datasets,
         dataset_config=IdxmapDataConfig(
@@ -201,15 +252,18 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     """Run the job on Ray; returns rank 0's last logged metrics.
 
     1. Check the corpora on the driver (files, headers, sizes, token ids, splits).
-    2. Connect to the cluster (or start a local Ray with simulated PPUs); enough PPU?
-    3. Build Megatron's sample indices once, in one Ray task, into the shared cache.
-    4. TorchTrainer.fit(): one worker per PPU, each joining the Megatron worker group.
-    5. Stop cleanly on Ctrl-C / SIGTERM (``ray job stop``): workers end with the driver.
+    2. Checkpoint settings; say where the run starts (its own latest complete checkpoint,
+       ``checkpoint.load``, or scratch). The workers decide again at every (re)start.
+    3. Connect to the cluster (or start a local Ray with simulated PPUs); enough PPU?
+    4. Build Megatron's sample indices once, in one Ray task, into the shared cache.
+    5. TorchTrainer.fit(): one worker per PPU, each joining the Megatron worker group.
+    6. Stop cleanly on Ctrl-C / SIGTERM (``ray job stop``): workers end with the driver.
     """
     spec = idxmap.spec_for(cfg, plan)
     for info in idxmap.check(spec):
         log.info("corpus %s: %d documents, %.4g tokens (%s)", info.prefix, info.documents,
                  info.tokens, info.dtype)
+    cfg = _starting_point(cfg, plan)
     started = connect(cfg)
     # ray job stop sends SIGTERM: treat it as Ctrl-C, which Ray Train turns into a graceful
     # abort of the worker group (and KeyboardInterrupt before fit() starts).
@@ -223,7 +277,7 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
                  plan.valid_samples)
         ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
         try:
-            result = build_trainer(cfg, plan, backend, spec).fit()
+            result = build_trainer(cfg, plan, backend, spec, token=uuid.uuid4().hex).fit()
         except SystemExit:  # Ray Train's SIGINT handler aborts the workers, then exits
             raise KeyboardInterrupt from None
         if result.error is not None:
@@ -233,6 +287,30 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         signal.signal(signal.SIGTERM, previous)
         if started:
             ray.shutdown()
+
+
+def _starting_point(cfg: RunConfig, plan: Plan) -> RunConfig:
+    """Check the checkpoint settings and log where the run starts; returns ``cfg`` with
+    ``checkpoint.load`` made absolute (the controller and the workers run elsewhere)."""
+    checkpoint.check_config(cfg)
+    if cfg.checkpoint.load:
+        load = str(Path(cfg.checkpoint.load).expanduser().resolve())
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=load))
+    try:
+        resume = checkpoint.resume_point(cfg)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    if resume is None:
+        log.info("no checkpoint in %s: training from scratch", checkpoint.save_root(cfg))
+    else:
+        log.info("starting from %s%s at iteration %d (%d samples consumed)", resume.path,
+                 " (weights only)" if resume.weights_only else "", resume.iteration,
+                 resume.iteration * cfg.training.global_batch_size)
+        if resume.iteration >= plan.train_iters:
+            log.warning("the run in %s is already complete (iteration %d of %d): nothing to "
+                        "train; use another output.dir or raise the training length",
+                        checkpoint.save_root(cfg), resume.iteration, plan.train_iters)
+    return cfg
 
 
 def _prepare_indices(spec: idxmap.SampleSpec) -> dict:

@@ -6,14 +6,19 @@ both call :func:`run` after creating the default process group.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from ray_ppu import devices, parallel
+from ray_ppu import checkpoint, devices, parallel
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.metrics import MetricsWriter
 from ray_ppu.plan import Plan
+
+log = logging.getLogger("ray_ppu")
 
 
 def run(
@@ -24,14 +29,23 @@ def run(
     batches: Optional[Iterator[dict]],
     valid_batches: Optional[Iterator[dict]] = None,
     start_iteration: int = 0,
+    resume: Optional[checkpoint.ResumePoint] = None,
+    on_checkpoint: Optional[Callable[[Path, dict], None]] = None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
+
+    ``start_iteration`` is the first iteration ``batches`` delivers; with ``resume`` the loaded
+    checkpoint must be at that iteration. Checkpoints go to ``checkpoint.save_root(cfg)``;
+    ``on_checkpoint(path, metrics)`` runs on every rank once one is complete (Ray Train reports
+    it); without it rank 0 keeps the last ``checkpoint.keep_last`` itself (torchrun).
 
     1. Bind the device (PPU id, or the CPU shim) for this thread.
     2. Megatron parallel groups and seeds on the existing process group.
     3. GPTModel chunks in Megatron DDP; Megatron optimizer and LR schedule.
-    4. The loop; rank 0 writes metrics.jsonl, TensorBoard and the progress line.
-    5. Tear down the parallel groups (the process group belongs to the caller).
+    4. Load ``resume`` (weights, optimizer, schedule, RNG); check it starts where the data does.
+    5. The loop, saving every ``checkpoint.save_interval`` iterations and at the end; rank 0
+       writes metrics.jsonl, TensorBoard and the progress line.
+    6. Tear down the parallel groups (the process group belongs to the caller).
     """
     from ray_ppu.model import build_model
     from ray_ppu.optim import build_optimizer
@@ -48,8 +62,35 @@ def run(
         try:
             model, _ = build_model(cfg, plan, backend)
             optimizer, scheduler = build_optimizer(cfg, plan, model)
+            if resume is not None:
+                start = time.perf_counter()
+                loaded = checkpoint.load(resume, model, optimizer, scheduler, plan, cfg)
+                if loaded != start_iteration:  # the data would not be the data of that point
+                    raise checkpoint.CheckpointError(
+                        f"loaded {resume.path} at iteration {loaded}, but the data stream "
+                        f"starts at iteration {start_iteration}")
+                if dist.get_rank() == 0:
+                    log.info("loaded %s%s in %.1f s: training continues at iteration %d",
+                             resume.path, " (weights only)" if resume.weights_only else "",
+                             time.perf_counter() - start, loaded)
+
+            root = checkpoint.save_root(cfg)
+
+            def on_save(iteration: int, metrics: dict) -> None:
+                start = time.perf_counter()
+                path, _ = checkpoint.save(root, iteration, model, optimizer, scheduler, plan, cfg,
+                                          with_cuda_rng=backend == "ppu")
+                if dist.get_rank() == 0:
+                    log.info("checkpoint at iteration %d saved to %s in %.1f s", iteration, path,
+                             time.perf_counter() - start)
+                if on_checkpoint is not None:
+                    on_checkpoint(path, metrics)
+                elif dist.get_rank() == 0:
+                    checkpoint.prune(root, cfg.checkpoint.keep_last)
+
             return train(plan, model, optimizer, scheduler, batches, devices.torch_device(backend),
-                         cfg.training.log_interval, on_log, start_iteration, valid_batches)
+                         cfg.training.log_interval, on_log, start_iteration, valid_batches,
+                         cfg.checkpoint.save_interval, on_save)
         finally:
             parallel.destroy()
             if writer is not None:

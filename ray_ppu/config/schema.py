@@ -193,6 +193,23 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """When checkpoints are written, how many are kept, and where a run starts from."""
+
+    save_interval: Optional[int] = None
+    """Iterations between checkpoints (one is always written at the end); None = only at the end."""
+    keep_last: int = 2
+    """Complete checkpoints kept in the run's checkpoint directory; older ones are deleted."""
+    load: Optional[str] = None
+    """Checkpoint directory (or a directory of checkpoints: the latest complete one) to start
+    from when the run's own checkpoint directory holds none yet; once the run has saved, its
+    restarts resume from its own checkpoints."""
+    finetune: bool = False
+    """Load only the weights from ``load``: fresh optimizer and schedule, iteration 0, data from
+    the start (Megatron's --finetune)."""
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Everything one training run needs; ``ray_ppu.config.load`` builds and validates it."""
 
@@ -202,6 +219,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,0 +1,572 @@
+"""Megatron-Core distributed checkpoints that carry the exact data position, and resuming.
+
+A checkpoint is one directory, ``<save root>/iter_0000004``, written collectively by every rank
+with ``megatron.core.dist_checkpointing`` (torch_dist format):
+
+* ``model``: each model chunk's ``sharded_state_dict()``: TP/PP-aware ShardedTensors.
+* ``optimizer``: the Megatron optimizer's ``sharded_state_dict(model_sd)``; for the
+  distributed optimizer in the ``dp_reshardable`` layout (:data:`OPTIMIZER_FORMAT`), which saves
+  and loads fully in parallel and can be loaded at another DP size (elastic restarts).
+* ``scheduler`` (OptimizerParamScheduler.state_dict()), ``iteration``, ``consumed_samples``.
+* ``rng_state``: Python/NumPy/torch/CUDA and Megatron's RNG-tracker states, one per (PP, TP)
+  rank (loaded only when TP and PP are unchanged, as Megatron-LM does).
+
+``ray_ppu_meta.json`` (:class:`Meta`) is written last, by rank 0, after every rank has finished
+writing: a directory without it is an interrupted save and is never loaded.
+
+Where a run starts (the one rule both sides use)
+------------------------------------------------
+:func:`resume_point` is the only place that decides: the latest complete checkpoint in the
+run's save root (:func:`save_root`), else ``checkpoint.load``, else nothing. The Ray Data
+stream factories call it through :func:`stream_start` (in the Ray Train controller, at every
+(re)start of the worker group) and record their choice, with the launch's token, in
+``stream_start.json``; the workers of that group call :func:`resume_point` again (nothing writes
+checkpoints between the two: the previous group is gone, the new one has not saved yet) and
+:func:`check_stream_start` fails loudly unless it is the same checkpoint and iteration. After
+loading, the ``iteration`` stored inside the checkpoint is checked against its meta file
+(:func:`load`) and against the stream's first step (``worker.run``). The file system is the source of truth rather than
+``ray.train.get_checkpoint()``: the controller cannot see the latter when it builds the
+streams, and the two differ when a run died between writing a checkpoint and Ray registering
+it (then Ray's is older) or when Ray's latest is incomplete (then ours is older).
+
+No Ray here: the launcher reports checkpoints to Ray Train; under torchrun :func:`prune` keeps
+the last ``keep_last``. Megatron-Core 0.16.1 problems on its torch-Adam (no Apex/TE),
+fp32 and mixed-dtype paths are worked around from the outside, each where it bites:
+:func:`_materialize_optimizer_state`, :func:`_restore_adam_steps`,
+:func:`_align_param_group_index_map`, and a ``no_grad`` around the optimizer load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ray_ppu.config.loader import ConfigError
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.data.order import consumed_samples, valid_start
+
+log = logging.getLogger("ray_ppu")
+
+META_FILE = "ray_ppu_meta.json"
+STREAM_START_FILE = "stream_start.json"
+FORMAT_VERSION = 1
+# Megatron's DistributedOptimizer layout: every rank writes and reads its own contiguous
+# buffer shards (no gather), and the shards are re-cut on load when DP changes. TP/PP changes
+# need 'fully_reshardable' (gathers the state on DP rank 0 at save): not worth it for the
+# elastic case, where only DP changes.
+OPTIMIZER_FORMAT = "dp_reshardable"
+_DIR_PATTERN = re.compile(r"^iter_(\d{7,})(?:_(\d+))?$")
+_warned: set = set()
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used the way the run asks (found before or while loading)."""
+
+
+@dataclass(frozen=True)
+class Meta:
+    """``ray_ppu_meta.json``: what a complete checkpoint holds, readable without torch."""
+
+    iteration: int
+    consumed_samples: int
+    world_size: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    data_parallel_size: int
+    global_batch_size: int
+    config_hash: str
+    optimizer_format: str
+    saved_at: float
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "Meta":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A complete checkpoint a run starts from; ``weights_only`` for ``checkpoint.finetune``."""
+
+    path: str
+    meta: Meta
+    weights_only: bool = False
+
+    @property
+    def iteration(self) -> int:
+        """The iteration training continues at (0 when only the weights are taken)."""
+        return 0 if self.weights_only else self.meta.iteration
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding checkpoints (no torch.distributed: also runs on the driver and in the controller)
+# ---------------------------------------------------------------------------------------------
+
+def run_name(cfg: RunConfig) -> str:
+    """The Ray Train run name: ``output.name``, else the output directory's name."""
+    return cfg.output.name or Path(cfg.output.dir).expanduser().resolve().name
+
+
+def save_root(cfg: RunConfig) -> Path:
+    """Where this run's checkpoints go: Ray Train's experiment directory of the run,
+    ``<output.dir>/ray_train/<run name>`` (Ray registers checkpoints only inside it)."""
+    return Path(cfg.output.dir).expanduser().resolve() / "ray_train" / run_name(cfg)
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """Hash of what must not change across a resume for the data position and the weights to
+    mean the same: the model, the data sources and split, global batch, sequence length, seed."""
+    d, t = cfg.data, cfg.training
+    key = {
+        "model": dataclasses.asdict(cfg.model),
+        "data": [d.data_path, d.valid_data_path, d.split, d.eod_token_id],
+        "training": [t.global_batch_size, t.seq_length, t.seed],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_meta(path: str | Path) -> Optional[Meta]:
+    """The meta of a complete checkpoint directory; None when it has none (incomplete)."""
+    try:
+        return Meta.from_dict(json.loads((Path(path) / META_FILE).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+def checkpoint_dirs(root: str | Path) -> list[Path]:
+    """Directories under ``root`` named like checkpoints (``iter_NNNNNNN[_k]``), complete or not."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _DIR_PATTERN.match(p.name))
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[Path, Meta]]:
+    """Complete checkpoints under ``root``, oldest first (by iteration, then save time);
+    directories without the meta file are skipped with a warning."""
+    found = []
+    for path in checkpoint_dirs(root):
+        meta = read_meta(path)
+        if meta is None:
+            _warn_once(f"checkpoint {path} has no {META_FILE}: its save did not finish; ignored")
+            continue
+        found.append((path, meta))
+    return sorted(found, key=lambda item: (item[1].iteration, item[1].saved_at))
+
+
+def latest(root: str | Path) -> Optional[tuple[Path, Meta]]:
+    """The newest complete checkpoint under ``root``, or None."""
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resume_point(cfg: RunConfig) -> Optional[ResumePoint]:
+    """Where this run starts: THE decision, made the same way by the stream factories and the
+    workers (module docstring).
+
+    1. The latest complete checkpoint in the run's own save root: an exact resume.
+    2. Else ``checkpoint.load``: a checkpoint directory, or a directory of them (the latest
+       complete one); weights only when ``checkpoint.finetune``.
+    3. Else None: a fresh start.
+    """
+    own = latest(save_root(cfg))
+    if own is not None:
+        return ResumePoint(str(own[0]), own[1])
+    if not cfg.checkpoint.load:
+        return None
+    load = Path(cfg.checkpoint.load).expanduser()
+    meta = read_meta(load)
+    if meta is not None:
+        found: Optional[tuple[Path, Meta]] = (load, meta)
+    elif (load / "metadata.json").is_file():  # a Megatron checkpoint whose save did not finish
+        raise CheckpointError(f"checkpoint.load {load} has no {META_FILE}: its save did not "
+                              f"finish; point checkpoint.load at a complete checkpoint")
+    else:
+        found = latest(load)
+    if found is None:
+        raise CheckpointError(f"checkpoint.load {load}: no complete checkpoint there "
+                              f"(a directory with {META_FILE}, or a directory of them)")
+    return ResumePoint(str(found[0].resolve()), found[1], weights_only=cfg.checkpoint.finetune)
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Reject checkpoint settings that cannot work, before any worker starts."""
+    c = cfg.checkpoint
+    if c.save_interval is not None and c.save_interval < 1:
+        raise ConfigError(f"checkpoint.save_interval={c.save_interval}: expected ≥ 1, or null "
+                          f"to save only at the end")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={c.keep_last}: expected ≥ 1")
+    if c.finetune and not c.load:
+        raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to start from)")
+
+
+def stream_start(cfg: RunConfig, eval_interval: int, eval_iters: int, token: str,
+                 split: str) -> int:
+    """First step of the ``split`` stream ("train" or "valid") for the starting checkpoint.
+
+    Called by Ray Train's controller (a ``start=`` callable of ``steps_dataset``) at every
+    (re)start of the worker group; records the choice in ``<save root>/stream_start.json`` with
+    the launch's ``token`` so the workers can check they load the same checkpoint.
+    """
+    resume = resume_point(cfg)
+    iteration = resume.iteration if resume else 0
+    start = iteration if split == "train" else valid_start(iteration, eval_interval, eval_iters)
+    root = save_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    record_path = root / STREAM_START_FILE
+    try:
+        record = json.loads(record_path.read_text())
+        if record.get("token") != token or record.get("iteration") != iteration:
+            record = {}
+    except (FileNotFoundError, json.JSONDecodeError):
+        record = {}
+    record.update(token=token, iteration=iteration, checkpoint=resume.path if resume else None,
+                  weights_only=bool(resume and resume.weights_only), time=time.time())
+    record[split] = start
+    _write_atomic(record_path, json.dumps(record, indent=2))
+    return start
+
+
+def check_stream_start(cfg: RunConfig, token: str, resume: Optional[ResumePoint]) -> int:
+    """The train stream's first step as the factory chose it; raises unless ``resume`` (this
+    worker's own :func:`resume_point`) is the checkpoint the factory started the stream from."""
+    record_path = save_root(cfg) / STREAM_START_FILE
+    try:
+        record = json.loads(record_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{record_path} is missing: the data streams were not built from "
+                              f"this run's checkpoints (is output.dir on storage every node "
+                              f"shares?)") from None
+    if record.get("token") != token or "train" not in record:
+        raise CheckpointError(f"{record_path} belongs to another launch (token "
+                              f"{record.get('token')} != {token})")
+    ours = (resume.path if resume else None, resume.iteration if resume else 0)
+    theirs = (record["checkpoint"], record["iteration"])
+    if ours != theirs or record["train"] != ours[1]:
+        raise CheckpointError(
+            f"the data stream starts at iteration {record['train']} (checkpoint "
+            f"{record['checkpoint']}) but this worker found checkpoint {ours[0]} at iteration "
+            f"{ours[1]}: the checkpoints changed between building the streams and starting the "
+            f"workers; refusing to train on misaligned data")
+    return record["train"]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prune(root: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (the torchrun path; under
+    Ray, Ray Train's CheckpointConfig(num_to_keep) deletes the ones it registered)."""
+    removed = []
+    for path, _ in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and loading (collective: every rank of the world calls them)
+# ---------------------------------------------------------------------------------------------
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """Give a fresh torch Adam its (zero) state before Megatron builds a sharded state dict.
+
+    Megatron-Core 0.16.1 without Apex/Transformer Engine reads Adam's ``step`` from the torch
+    optimizer's per-parameter state (``DistributedOptimizer.state_dict``), and a torch Adam that
+    has not stepped yet has none (an AssertionError): always the case when loading. Megatron's
+    own ``init_state_fn`` allocates the moments; we add ``step`` 0, which is exactly what torch
+    Adam's first step would start from. A load overwrites all of it. TE/Apex optimizers keep
+    ``step`` elsewhere: untouched.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or len(inner.state):
+            continue
+        if getattr(opt, "init_state_fn", None) is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """Set every parameter's torch Adam ``step`` to the checkpoint's, each its own tensor.
+
+    Megatron-Core 0.16.1 without Apex/TE keeps the saved step in the optimizer's param groups
+    (``DistributedOptimizer.state_dict``), but its load then (a) puts ONE step tensor into every
+    parameter's state, which torch Adam would advance once per parameter per iteration, and
+    (b) with the dp_reshardable layout copies the step of the loading template (0) over it.
+    Either breaks Adam's bias correction from the first step after a resume.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                if param in inner.state:
+                    inner.state[param]["step"] = torch.tensor(float(group["step"]),
+                                                              dtype=torch.float32)
+
+
+def _align_param_group_index_map(optimizer) -> None:
+    """Point the distributed optimizer's (group, order) index of each model parameter at its own
+    main parameter.
+
+    Megatron-Core 0.16.1 numbers a group's parameters in grad-buffer order (all bf16 buffers,
+    then fp32) but lays the optimizer's group out as [fp32 shards, fp32 copies of bf16 shards];
+    in a model that mixes bf16 and fp32 parameters (bf16 with the local spec: its torch RMSNorm
+    weights stay fp32) checkpoints would then pair parameters with other parameters' state.
+    Only its checkpoint code reads this map. Rebuilt here by identity, so it is a no-op where
+    the two orders agree (one dtype, or a Megatron that numbers them right).
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        index = getattr(opt, "model_param_group_index_map", None)
+        if index is None or not hasattr(opt, "shard_fp32_groups"):
+            continue
+        float16_mains = (opt.shard_float16_groups
+                         if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                         else opt.shard_fp32_from_float16_groups)
+        for g, group in enumerate(opt.optimizer.param_groups):
+            position = {id(p): k for k, p in enumerate(group["params"])}
+            pairs = [*zip(opt.model_fp32_groups[g], opt.shard_fp32_groups[g]),
+                     *zip(opt.model_float16_groups[g], float16_mains[g])]
+            for model_param, main_param in pairs:
+                index[model_param] = (g, position[id(main_param)])
+
+
+def _unwrap(chunk):
+    """The GPTModel inside Megatron's DDP wrapper: DDP has no sharded_state_dict of its own,
+    so the default one would prefix every key with ``module.``; GPTModel's keys are Megatron's
+    canonical ones (``decoder.layers.…``), the ones other Megatron tools read."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
+    """Model chunks' and optimizer's sharded state dicts, keyed as Megatron-LM does."""
+    state: dict = {}
+    if len(model) == 1:
+        state["model"] = _unwrap(model[0]).sharded_state_dict()
+    else:  # virtual pipeline stages: each chunk knows its own layer offsets (vp_stage)
+        for i, chunk in enumerate(model):
+            state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
+    if optimizer is not None:
+        _align_param_group_index_map(optimizer)
+        _materialize_optimizer_state(optimizer)  # a fresh optimizer: loading, or iteration 0
+        model_state = {k: v for k, v in state.items() if k.startswith("model")}
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": OPTIMIZER_FORMAT,
+                      "chained_optim_avoid_prefix": True},
+        )
+    return state
+
+
+def _rng_state(with_cuda: bool) -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if with_cuda:
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded(with_cuda: bool):
+    """This rank's RNG states as a ShardedObject: one per (PP, TP) rank, DP ranks are replicas
+    (they are seeded alike), as Megatron-LM stores them."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(
+        "rng_state", _rng_state(with_cuda),
+        (parallel_state.get_pipeline_model_parallel_world_size(),
+         parallel_state.get_tensor_model_parallel_world_size()),
+        (parallel_state.get_pipeline_model_parallel_rank(),
+         parallel_state.get_tensor_model_parallel_rank()),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+
+
+def _new_dir(root: Path, iteration: int) -> Path:
+    """A fresh directory for a checkpoint, chosen on rank 0 and shared with every rank.
+
+    ``iter_NNNNNNN``, or ``iter_NNNNNNN_k`` when that name is taken (an interrupted save of the
+    same iteration, or another run's checkpoint): never write into a used directory.
+    """
+    chosen = [None]
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        name, k = f"iter_{iteration:07d}", 1
+        while (root / name).exists():
+            k += 1
+            name = f"iter_{iteration:07d}_{k}"
+        (root / name).mkdir()
+        chosen = [name]
+    dist.broadcast_object_list(chosen, src=0)
+    return root / chosen[0]
+
+
+def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, plan,
+         cfg: RunConfig, with_cuda_rng: bool = False) -> tuple[Path, Meta]:
+    """Write a checkpoint after ``iteration`` iterations; collective. Returns its directory.
+
+    1. Rank 0 creates a fresh ``iter_…`` directory under ``root``; every rank learns its name.
+    2. Every rank writes its shards of model, optimizer and RNG states (torch_dist format;
+       replicated tensors spread over the DP ranks); rank 0 writes the common part.
+    3. Barrier; then rank 0 writes ``ray_ppu_meta.json``, the mark of a complete checkpoint.
+    4. Barrier: when this returns on any rank, the checkpoint is complete.
+    """
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    path = _new_dir(Path(root), iteration)
+    state = _sharded_state(model, optimizer, is_loading=False)
+    state["scheduler"] = scheduler.state_dict()
+    state["iteration"] = iteration
+    state["consumed_samples"] = consumed_samples(iteration, plan.global_batch_size)
+    state["rng_state"] = _rng_sharded(with_cuda_rng)
+    strategy = FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy("torch_dist"),
+        parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+    dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
+    dist.barrier()
+    meta = Meta(
+        iteration=iteration,
+        consumed_samples=consumed_samples(iteration, plan.global_batch_size),
+        world_size=dist.get_world_size(),
+        tensor_model_parallel_size=plan.tensor_model_parallel_size,
+        pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+        context_parallel_size=plan.context_parallel_size,
+        data_parallel_size=plan.data_parallel_size,
+        global_batch_size=plan.global_batch_size,
+        config_hash=config_hash(cfg),
+        optimizer_format=OPTIMIZER_FORMAT,
+        saved_at=time.time(),
+    )
+    if dist.get_rank() == 0:
+        _write_atomic(path / META_FILE, json.dumps(dataclasses.asdict(meta), indent=2))
+    dist.barrier()
+    return path, meta
+
+
+def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunConfig) -> int:
+    """Load ``resume`` into the freshly built model (and optimizer, schedule, RNG unless
+    ``weights_only``); collective. Returns the iteration training continues at.
+
+    1. Check the meta against this run: same global batch and config hash for an exact resume;
+       the DP size may differ (the optimizer layout re-cuts), TP/PP may not (weights only may).
+    2. ``dist_checkpointing.load`` of the sharded state this run's layout asks for.
+    3. Weights into the model chunks; then optimizer, scheduler and RNG states, or for weights
+       only a refresh of the optimizer's main-parameter copies.
+    4. The loaded ``iteration`` must be the meta's (and hence the data stream's) iteration.
+    """
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(resume.path)
+    if meta is None:
+        raise CheckpointError(f"{resume.path}: {META_FILE} disappeared")
+    same_layout = (meta.tensor_model_parallel_size == plan.tensor_model_parallel_size
+                   and meta.pipeline_model_parallel_size == plan.pipeline_model_parallel_size)
+    if not resume.weights_only:
+        if meta.global_batch_size != plan.global_batch_size:
+            raise CheckpointError(
+                f"{resume.path} was trained with global batch {meta.global_batch_size}, this run "
+                f"has {plan.global_batch_size}: the data position would not carry over "
+                f"(use checkpoint.finetune=true to take the weights only)")
+        if not same_layout:
+            raise CheckpointError(
+                f"{resume.path} was saved at TP {meta.tensor_model_parallel_size} × PP "
+                f"{meta.pipeline_model_parallel_size}, this run is TP "
+                f"{plan.tensor_model_parallel_size} × PP {plan.pipeline_model_parallel_size}: "
+                f"the optimizer state ({meta.optimizer_format}) reshards across DP only "
+                f"(use checkpoint.finetune=true to take the weights only)")
+        if meta.config_hash != config_hash(cfg):
+            _warn_once(f"{resume.path} was saved by a run with another model/data/batch "
+                       f"configuration (hash {meta.config_hash} != {config_hash(cfg)})")
+
+    state = _sharded_state(model, None if resume.weights_only else optimizer, is_loading=True)
+    if not resume.weights_only:
+        state["scheduler"] = None
+        state["iteration"] = None
+        state["consumed_samples"] = None
+        if same_layout:
+            state["rng_state"] = _rng_sharded(with_cuda=False)
+    loaded = dist_checkpointing.load(state, resume.path)
+
+    if len(model) == 1:
+        _unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model):
+            _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    if resume.weights_only:
+        # The optimizer copied the (random) weights into its main parameters when it was built.
+        optimizer.reload_model_params()
+        return 0
+    # no_grad: Megatron-Core 0.16.1's dp_reshardable loader copies into the main parameters
+    # without it (its other loaders have it); in fp32 they are views of the model parameters,
+    # which require grad, and autograd refuses the in-place copy.
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer)
+    scheduler.load_state_dict(loaded["scheduler"])
+    if "rng_state" in loaded:
+        _set_rng_state(loaded["rng_state"])
+    iteration = int(loaded["iteration"])
+    if iteration != meta.iteration or loaded["consumed_samples"] != meta.consumed_samples:
+        raise CheckpointError(f"{resume.path}: the checkpoint holds iteration {iteration}, "
+                              f"its {META_FILE} says {meta.iteration}")
+    return iteration

@@ -1,0 +1,423 @@
+"""Checkpoints with the exact data position, under the real Ray Train TorchTrainer.
+
+First, without Ray, the rule that picks the starting checkpoint and the check that the data
+streams and the workers agree on it (files on disk only). Then four real training runs,
+shared by the tests through module-scoped fixtures (each costs tens of seconds), all 8
+iterations of the tiny model as in test_training.py, saving every 4:
+
+* ``uninterrupted``: DP 2, start to end: the reference losses and checkpoints.
+* ``interrupted``: the same run, but one Ray Train worker process is SIGKILLed right after the
+  checkpoint at iteration 4 is complete. A real interruption rather than "run 4 iterations,
+  then 8": it exercises Ray Train's own restart (FailureConfig), the dataset factories being
+  re-evaluated by the controller, and a schedule that never changed length (a run re-launched
+  with another train_iters keeps the checkpoint's LR schedule, as Megatron does).
+* ``resharded``: DP 1, started with ``checkpoint.load`` from a directory holding the
+  interrupted run's DP-2 checkpoint at iteration 4 and a newer, incomplete one (no meta file).
+* ``finetuned``: ``checkpoint.finetune=true`` from the uninterrupted run's final checkpoint.
+
+Run with ``python tests/test_checkpoint.py CHECKPOINT OVERRIDES...`` this file is also the
+independent measurement for the finetune test: one process, no Ray, loads CHECKPOINT exactly
+as a resume does and prints the model's loss on the first global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ray_ppu import checkpoint
+from ray_ppu.config.loader import ConfigError, load
+from ray_ppu.launcher import launch
+from ray_ppu.plan import build_plan
+from ray_ppu.run import absolute_paths, prepare_output
+
+ITERS = 8
+SAVE = ["checkpoint.save_interval=4"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The starting point, on files alone (fast)
+# ---------------------------------------------------------------------------------------------
+
+def _fake_checkpoint(path: Path, iteration: int, complete: bool = True) -> Path:
+    """A checkpoint directory as the finder sees it: Megatron's metadata.json, and our meta
+    file when the save finished (the finder reads nothing else)."""
+    path.mkdir(parents=True)
+    (path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    if complete:
+        meta = checkpoint.Meta(iteration=iteration, consumed_samples=4 * iteration, world_size=2,
+                               tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                               context_parallel_size=1, data_parallel_size=2,
+                               global_batch_size=4, config_hash="x", optimizer_format="dp_reshardable",
+                               saved_at=time.time())
+        (path / checkpoint.META_FILE).write_text(json.dumps(dataclasses.asdict(meta)))
+    return path
+
+
+def _cfg(tmp_path, *extra):
+    return absolute_paths(load(None, ["data.data_path=[corpus]", "training.train_iters=8",
+                                      f"output.dir={tmp_path / 'run'}", *extra]))
+
+
+def test_resume_point_rules(tmp_path, caplog):
+    cfg = _cfg(tmp_path)
+    assert checkpoint.resume_point(cfg) is None  # nothing anywhere: from scratch
+    # Another run's checkpoints, given as checkpoint.load: the latest complete one, and with
+    # finetune only its weights (iteration 0).
+    other = tmp_path / "other"
+    _fake_checkpoint(other / "iter_0000002", 2)
+    _fake_checkpoint(other / "iter_0000006", 6)
+    loaded = checkpoint.resume_point(_cfg(tmp_path, f"checkpoint.load={other}"))
+    assert (Path(loaded.path).name, loaded.iteration, loaded.weights_only) == ("iter_0000006", 6, False)
+    tuned = checkpoint.resume_point(_cfg(tmp_path, f"checkpoint.load={other / 'iter_0000002'}",
+                                         "checkpoint.finetune=true"))
+    assert (Path(tuned.path).name, tuned.iteration, tuned.weights_only) == ("iter_0000002", 0, True)
+    # The run's own checkpoints win over checkpoint.load; an incomplete newer one is skipped
+    # with a warning.
+    root = checkpoint.save_root(cfg)
+    _fake_checkpoint(root / "iter_0000004", 4)
+    _fake_checkpoint(root / "iter_0000008", 8, complete=False)
+    with caplog.at_level(logging.WARNING, logger="ray_ppu"):
+        own = checkpoint.resume_point(_cfg(tmp_path, f"checkpoint.load={other}"))
+    assert (Path(own.path).name, own.iteration, own.weights_only) == ("iter_0000004", 4, False)
+    assert "iter_0000008 has no ray_ppu_meta.json" in caplog.text
+    # checkpoint.load naming an unfinished save is an error, not a silent fresh start.
+    with pytest.raises(checkpoint.CheckpointError, match="did not finish"):
+        checkpoint.resume_point(_cfg(tmp_path / "x", f"checkpoint.load={root / 'iter_0000008'}"))
+
+
+def test_workers_refuse_a_checkpoint_the_streams_did_not_start_from(tmp_path):
+    cfg = _cfg(tmp_path)
+    root = checkpoint.save_root(cfg)
+    _fake_checkpoint(root / "iter_0000004", 4)
+    # The factories (Ray Train's controller): train from step 4, validation from batch 1
+    # (one pass of eval_iters=1 every 4 iterations so far).
+    assert checkpoint.stream_start(cfg, 4, 1, "launch-1", "train") == 4
+    assert checkpoint.stream_start(cfg, 4, 1, "launch-1", "valid") == 1
+    # The workers of that group find the same checkpoint: they may start at 4.
+    assert checkpoint.check_stream_start(cfg, "launch-1", checkpoint.resume_point(cfg)) == 4
+    # Anything else is an error: a record from another launch, or a checkpoint that appeared
+    # after the streams were built (the data would not match the weights).
+    with pytest.raises(checkpoint.CheckpointError, match="another launch"):
+        checkpoint.check_stream_start(cfg, "launch-2", checkpoint.resume_point(cfg))
+    _fake_checkpoint(root / "iter_0000008", 8)
+    with pytest.raises(checkpoint.CheckpointError, match="refusing to train on misaligned data"):
+        checkpoint.check_stream_start(cfg, "launch-1", checkpoint.resume_point(cfg))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("checkpoint.save_interval=0", "save_interval=0"),
+    ("checkpoint.keep_last=0", "keep_last=0"),
+    ("checkpoint.finetune=true", "needs checkpoint.load"),
+])
+def test_bad_checkpoint_settings(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        checkpoint.check_config(_cfg(tmp_path, override))
+
+
+# ---------------------------------------------------------------------------------------------
+# Real runs under Ray Train (slow)
+# ---------------------------------------------------------------------------------------------
+
+
+def _overrides(corpus, out, *extra):
+    from test_training import overrides  # the same run settings as the training tests
+
+    return overrides(corpus, out, *SAVE, *extra)
+
+
+def _config(corpus, out, *extra):
+    cfg = absolute_paths(load(None, _overrides(corpus, out, *extra)))
+    plan = build_plan(cfg)
+    prepare_output(cfg, plan)
+    return cfg, plan
+
+
+def _rows(out) -> list[dict]:
+    with open(Path(out) / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def _curve(rows) -> dict:
+    """{iteration: loss} for training rows and {("valid", iteration): loss} for validation;
+    a later row for the same iteration (logged again after a restart) replaces the earlier."""
+    curve = {}
+    for r in rows:
+        if "lm_loss" in r:
+            curve[r["iteration"]] = r["lm_loss"]
+        elif "valid_lm_loss" in r:
+            curve[("valid", r["iteration"])] = r["valid_lm_loss"]
+    return curve
+
+
+def _train_iterations(rows) -> list[int]:
+    return [r["iteration"] for r in rows if "lm_loss" in r]
+
+
+class _Captured(logging.Handler):
+    """Collects ray_ppu's log records in the driver (the launcher logs there)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _launch(cfg, plan):
+    handler = _Captured()
+    logger = logging.getLogger("ray_ppu")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # the start-point line is INFO
+    try:
+        return launch(cfg, plan), handler.messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    cfg, plan = _config(corpus, out, "cluster.num_workers=2")
+    final, _ = _launch(cfg, plan)
+    rows = _rows(out)
+    assert _train_iterations(rows) == list(range(1, ITERS + 1))
+    return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows)}
+
+
+def _train_workers() -> list:
+    """This test process's Ray Train worker processes: the raylet this process started runs
+    them (never another session's), and their title is ``ray::RayTrainWorker…``. Children the
+    workers fork (dist_checkpointing's writers) carry the same title: parent must be the raylet."""
+    import psutil
+
+    workers = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if ("RayTrainWorker" in " ".join(proc.cmdline())
+                    and proc.parent().name() == "raylet"):
+                workers.append(proc)
+        except psutil.Error:
+            continue
+    return workers
+
+
+def _kill_a_worker_after(meta_file: Path, stop: threading.Event, killed: list) -> None:
+    """SIGKILL one training worker as soon as ``meta_file`` exists (the checkpoint is complete):
+    the group dies in the middle of the iterations after it."""
+    while not stop.is_set():
+        if meta_file.exists():
+            workers = _train_workers()
+            if workers:
+                workers[0].kill()
+                killed.append(workers[0].pid)
+                return
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def interrupted(ray_cluster, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("interrupted")
+    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=1")
+    meta_file = checkpoint.save_root(cfg) / "iter_0000004" / checkpoint.META_FILE
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_a_worker_after, args=(meta_file, stop, killed))
+    killer.start()
+    try:
+        final, _ = _launch(cfg, plan)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed, "no worker was killed: the interruption did not happen"
+    rows = _rows(out)
+    # What the dataset factories chose when Ray Train restarted the group (the first start
+    # recorded iteration 0).
+    record = json.loads((checkpoint.save_root(cfg) / checkpoint.STREAM_START_FILE).read_text())
+    return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows), "record": record}
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_exactly(uninterrupted, interrupted):
+    # The restarted group's streams began after the checkpoint at 4 (train step 4, validation
+    # batch 1), and the workers loaded that checkpoint (they check it against this record).
+    record = interrupted["record"]
+    assert (record["iteration"], record["train"], record["valid"]) == (4, 4, 1), record
+    assert record["checkpoint"].endswith("iter_0000004")
+    # Rows 1..4, maybe some of 5.. logged before the kill, then 5..8 after the restart: never
+    # anything before 5 again (not restarted from scratch).
+    iterations = _train_iterations(interrupted["rows"])
+    assert iterations[:4] == [1, 2, 3, 4] and iterations[-4:] == [5, 6, 7, 8], iterations
+    assert min(iterations[4:]) == 5, iterations
+    assert interrupted["final"]["iteration"] == ITERS
+    assert interrupted["final"]["consumed_samples"] == ITERS * 4
+    # fp32 on CPU, same layout: the resumed iterations are the uninterrupted ones.
+    ref, got = uninterrupted["curve"], interrupted["curve"]
+    # ("valid", 8) also shows the restarted validation stream began at its batch 1, as the
+    # uninterrupted one did after the pass at iteration 4 had read batch 0.
+    for key in [5, 6, 7, 8, ("valid", 4), ("valid", 8)]:
+        assert got[key] == pytest.approx(ref[key], abs=1e-6), key
+    assert ref[8] < ref[1] - 0.5  # and the reference did train
+
+
+@pytest.mark.slow
+def test_checkpoints_are_complete_and_kept(uninterrupted):
+    root = checkpoint.save_root(uninterrupted["cfg"])
+    found = checkpoint.complete_checkpoints(root)
+    assert [m.iteration for _, m in found] == [4, 8]  # keep_last=2, every 4 iterations
+    meta = found[-1][1]
+    assert (meta.consumed_samples, meta.data_parallel_size, meta.world_size) == (32, 2, 2)
+    assert meta.optimizer_format == "dp_reshardable"
+    # Ray Train registered them where they are (no copy), with the metrics of that iteration.
+    import ray.train
+
+    result = ray.train.Result.from_path(str(root))
+    assert [(Path(c.path), m["iteration"]) for c, m in result.best_checkpoints] == [
+        (root / "iter_0000004", 4), (root / "iter_0000008", 8)]
+
+
+def _hardlink_tree(src: Path, dst: Path, drop: tuple = ()) -> None:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in drop:
+            os.link(f, dst / f.name)
+
+
+@pytest.fixture(scope="module")
+def resharded(interrupted, corpus, tmp_path_factory):
+    """DP 1 from a directory of checkpoints: the DP-2 one at iteration 4, and one at 8 whose
+    save "died" before its meta file (and one of its shard files) was written."""
+    source = checkpoint.save_root(interrupted["cfg"])
+    pool = tmp_path_factory.mktemp("pool")
+    _hardlink_tree(source / "iter_0000004", pool / "iter_0000004")
+    _hardlink_tree(source / "iter_0000008", pool / "iter_0000008",
+                   drop=(checkpoint.META_FILE, "__1_0.distcp"))
+    out = tmp_path_factory.mktemp("resharded")
+    cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={pool}")
+    final, messages = _launch(cfg, plan)
+    rows = _rows(out)
+    return {"cfg": cfg, "pool": pool, "final": final, "rows": rows, "curve": _curve(rows),
+            "messages": messages}
+
+
+@pytest.mark.slow
+def test_resume_at_another_dp_size(uninterrupted, resharded):
+    saved = checkpoint.read_meta(resharded["pool"] / "iter_0000004")
+    assert saved.data_parallel_size == 2
+    assert _train_iterations(resharded["rows"]) == [5, 6, 7, 8]
+    assert resharded["final"]["iteration"] == ITERS
+    # 4 microbatches on one rank vs 2 × 2 on two: only the summation order differs.
+    ref, got = uninterrupted["curve"], resharded["curve"]
+    for key in [5, 6, 7, 8, ("valid", 8)]:
+        assert got[key] == pytest.approx(ref[key], abs=2e-4), key
+    own = checkpoint.latest(checkpoint.save_root(resharded["cfg"]))[1]
+    assert (own.iteration, own.data_parallel_size, own.world_size) == (8, 1, 1)
+
+
+@pytest.mark.slow
+def test_incomplete_checkpoint_is_ignored(resharded):
+    # The newer directory was skipped with a warning and the run started from iteration 4
+    # (rows 5..8 above; loading the broken one would have failed or started at 8).
+    pool, messages = resharded["pool"], resharded["messages"]
+    incomplete = (pool / "iter_0000008").resolve()
+    assert any(f"{incomplete} has no ray_ppu_meta.json" in m for m in messages), messages
+    assert any(f"starting from {(pool / 'iter_0000004').resolve()} at iteration 4" in m
+               for m in messages), messages
+
+
+@pytest.fixture(scope="module")
+def finetuned(uninterrupted, corpus, tmp_path_factory):
+    saved = checkpoint.save_root(uninterrupted["cfg"]) / "iter_0000008"
+    out = tmp_path_factory.mktemp("finetuned")
+    cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={saved}",
+                        "checkpoint.finetune=true", "training.train_iters=2")
+    final, _ = _launch(cfg, plan)
+    return {"cfg": cfg, "saved": saved, "final": final, "rows": _rows(out)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_finetune_loads_weights_only(uninterrupted, finetuned, corpus, tmp_path):
+    train = [r for r in finetuned["rows"] if "lm_loss" in r]
+    # Iteration and data position restart at 0; the schedule is fresh (warmup of 1
+    # iteration: peak LR at iteration 1, not the saved run's final 3e-4).
+    assert [(r["iteration"], r["consumed_samples"]) for r in train] == [(1, 4), (2, 8)]
+    assert train[0]["lr"] == pytest.approx(2e-2)
+    assert checkpoint.latest(checkpoint.save_root(finetuned["cfg"]))[1].iteration == 2
+    # The first loss is the saved model's loss on global batch 0, measured in a separate
+    # process that loads the checkpoint the way a full resume does.
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__, str(finetuned["saved"]),
+         *_overrides(corpus, tmp_path / "eval", "cluster.num_workers=1")],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved_model_loss = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
+    assert train[0]["lm_loss"] == pytest.approx(saved_model_loss, abs=1e-5)
+    # …which is a trained model's loss, far below the ~11.9 of fresh weights.
+    assert train[0]["lm_loss"] < uninterrupted["curve"][1] - 1.0
+
+
+def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float:
+    """One process, gloo world of 1: build the model like a worker, load ``path`` as a full
+    resume would, and evaluate global batch 0 of the training data (forward only)."""
+    import dataclasses
+    from functools import partial
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ray_ppu import devices, parallel
+    from ray_ppu.data import idxmap, local
+    from ray_ppu.model import build_model
+    from ray_ppu.optim import build_optimizer
+    from ray_ppu.train_loop import evaluate, forward_step
+
+    cfg = absolute_paths(load(None, overrides))
+    plan = dataclasses.replace(build_plan(cfg), eval_iters=1)  # one global batch
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    spec = idxmap.spec_for(cfg, plan)
+    idxmap.datasets(spec)
+    try:
+        with devices.bound("cpu", 0):
+            parallel.initialize(plan, cfg.training.seed)
+            model, _ = build_model(cfg, plan, "cpu")
+            optimizer, scheduler = build_optimizer(cfg, plan, model)
+            meta = checkpoint.read_meta(path)
+            checkpoint.load(checkpoint.ResumePoint(path, meta), model, optimizer, scheduler, plan,
+                            cfg)
+            batches = local.microbatches(spec, 0, 1, plan.global_batch_size,
+                                         plan.micro_batch_size, 0, 1, "train")
+            try:
+                result = evaluate(plan, model, get_forward_backward_func(),
+                                  partial(forward_step, device=torch.device("cpu")), batches,
+                                  torch.device("cpu"), 0)
+            finally:
+                parallel.destroy()
+    finally:
+        dist.destroy_process_group()
+    return result["valid_lm_loss"]
+
+
+if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    print(json.dumps({"loss": _loss_of_checkpoint_on_first_batch(sys.argv[1], sys.argv[2:])}))
