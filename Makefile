@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed  ## tiny Qwen2.5 on the stdlib corpus, 2 workers, TP=2, local Ray
+	# A fresh run each time: the previous run's final checkpoint would make it resume, finished.
+	rm -rf outputs/demo/ray_train outputs/demo/metrics.jsonl outputs/demo/tensorboard
 	$(PY) entrypoints/pretrain.py
 
 test: $(VENV)/.installed  ## the CPU test suite (real Ray, real Megatron-Core)
