@@ -119,6 +119,22 @@ def _sum_reports(reports: list, total: Optional[torch.Tensor]) -> Optional[torch
     return total
 
 
+def _schedule(forward_backward, step, batches, model: list, plan: Plan, forward_only: bool) -> list:
+    """One global batch through Megatron's pipeline schedule; returns the loss reports."""
+    return forward_backward(
+        forward_step_func=step,
+        # interleaved pipelines take one iterator per virtual stage; only the first and last
+        # chunks pull from it
+        data_iterator=[batches] * len(model) if len(model) > 1 else batches,
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=plan.num_microbatches,
+        seq_length=plan.seq_length,
+        micro_batch_size=plan.micro_batch_size,
+        decoder_seq_length=plan.seq_length,
+        forward_only=forward_only,
+    )
+
+
 def evaluate(plan: Plan, model: list, forward_backward, step, batches, device: torch.device,
              iteration: int) -> dict:
     """``plan.eval_iters`` global batches of validation data, forward only; loss and perplexity."""
@@ -127,17 +143,8 @@ def evaluate(plan: Plan, model: list, forward_backward, step, batches, device: t
     total = None
     with torch.no_grad():
         for _ in range(plan.eval_iters):
-            reports = forward_backward(
-                forward_step_func=step,
-                data_iterator=[batches] * len(model) if len(model) > 1 else batches,
-                model=model if len(model) > 1 else model[0],
-                num_microbatches=plan.num_microbatches,
-                seq_length=plan.seq_length,
-                micro_batch_size=plan.micro_batch_size,
-                decoder_seq_length=plan.seq_length,
-                forward_only=True,
-            )
-            total = _sum_reports(reports, total)
+            total = _sum_reports(_schedule(forward_backward, step, batches, model, plan, True),
+                                 total)
     for chunk in model:
         chunk.train()
     loss = _mean_loss(total, device)
@@ -181,7 +188,6 @@ def train(
     step = partial(forward_step, device=device)
     timed = _TimedIterator(batches) if batches is not None else None
     batches = timed
-    data = [batches] * len(model)  # one per virtual stage; only first/last chunks pull from it
     tokens_per_iteration = plan.global_batch_size * plan.seq_length
     window = _Window(start=time.perf_counter())
     # What a run resumed at its very end (nothing left to train) reports.
@@ -193,16 +199,7 @@ def train(
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=step,
-            data_iterator=data if len(model) > 1 else batches,
-            model=model if len(model) > 1 else model[0],
-            num_microbatches=plan.num_microbatches,
-            seq_length=plan.seq_length,
-            micro_batch_size=plan.micro_batch_size,
-            decoder_seq_length=plan.seq_length,
-            forward_only=False,
-        )
+        losses = _schedule(forward_backward, step, batches, model, plan, forward_only=False)
         updated, grad_norm, _ = optimizer.step()
         if updated:
             scheduler.step(increment=plan.global_batch_size)

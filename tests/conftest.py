@@ -48,3 +48,12 @@ def corpus_b(tmp_path_factory) -> str:
     prefix = tmp_path_factory.mktemp("corpus_b") / "stdlib_reversed_text_document"
     write_idxmap(reversed(list(stdlib_sources(200_000))), qwen2(), prefix)
     return str(prefix)
+
+
+@pytest.fixture(scope="session")
+def qwen2_tokenizer_dir(tmp_path_factory):
+    """A Hugging Face tokenizer directory (tokenizer.json + ChatML template) for the real Qwen2
+    vocabulary, exported offline from the BPE ranks in the dashscope wheel."""
+    from ray_ppu.data.tokenizer import export_qwen2_tokenizer
+
+    return export_qwen2_tokenizer(tmp_path_factory.mktemp("qwen2_hf") / "tokenizer")

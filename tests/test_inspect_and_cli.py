@@ -33,10 +33,10 @@ def run(script, *args, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_inspect_data_prints_what_a_dp_rank_trains_on(corpus, tmp_path):
+def test_inspect_data_prints_what_a_dp_rank_trains_on(corpus, qwen2_tokenizer_dir, tmp_path):
     config = write_config(tmp_path, corpus)
     proc = run("inspect_data.py", "--config", str(config), "--dp-size", "2", "--dp-rank", "1",
-               "--num-samples", "6")
+               "--num-samples", "6", "--tokenizer", str(qwen2_tokenizer_dir))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     # Megatron-LM's sampler: steps of mbs 2 × DP 2 = 4 ids, rank 1 keeps the second pair;
@@ -48,8 +48,11 @@ def test_inspect_data_prints_what_a_dp_rank_trains_on(corpus, tmp_path):
                              seed=1234, train_samples=32, index_cache_dir=str(tmp_path / "cache"),
                              eod_token_id=151643, vocab_size=151936)
     ds = idxmap.dataset(spec)
+    from ray_ppu.data.tokenizer import qwen2
+
     for r in rows:
         assert r["tokens"] == ds[r["sample_id"]]["tokens"].tolist()
+        assert r["text"] == qwen2().decode(r["tokens"])  # the corpus's own tokenizer agrees
 
 
 def test_inspect_data_rejects_a_rank_outside_dp(corpus, tmp_path):

@@ -51,8 +51,8 @@ MULTILINGUAL = [
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return export_qwen2_tokenizer(tmp_path_factory.mktemp("qwen2_hf") / "tokenizer")
+def hf_dir(qwen2_tokenizer_dir):
+    return qwen2_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

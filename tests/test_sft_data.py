@@ -27,7 +27,7 @@ from ray_ppu.data.sft import (
     sft_rows,
     sft_rows_from_files,
 )
-from ray_ppu.data.tokenizer import QWEN2_EOD, QWEN2_SPECIAL_TOKENS, export_qwen2_tokenizer
+from ray_ppu.data.tokenizer import QWEN2_EOD, QWEN2_SPECIAL_TOKENS
 
 IM_START, IM_END = QWEN2_SPECIAL_TOKENS["<|im_start|>"], QWEN2_SPECIAL_TOKENS["<|im_end|>"]
 
@@ -56,8 +56,8 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    return export_qwen2_tokenizer(tmp_path_factory.mktemp("sft_tokenizer") / "tokenizer")
+def tok_dir(qwen2_tokenizer_dir):
+    return qwen2_tokenizer_dir
 
 
 @pytest.fixture(scope="module")
