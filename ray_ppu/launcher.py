@@ -27,7 +27,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray_ppu import checkpoint, devices
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.data import idxmap
+from ray_ppu.data import idxmap, sft_store
 from ray_ppu.data.order import valid_steps
 from ray_ppu.data.ray_stream import IdxmapDataConfig, steps_dataset
 from ray_ppu.plan import ParallelDims, Plan
@@ -66,7 +66,8 @@ def connect(cfg: RunConfig) -> bool:
     splits = 2 if cfg.training.eval_iters else 1
     readers = len(list(dims.data_ranks())) * splits * d.reader_actors * d.reader_cpus
     cpus = max(os.cpu_count() or 1, math.ceil(c.num_workers * c.cpus_per_worker + readers) + 1)
-    ray.init(num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
+    # address="local": a new Ray even when `ray start` left a cluster on this machine
+    ray.init(address="local", num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
     return True
 
 
@@ -259,10 +260,12 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     5. TorchTrainer.fit(): one worker per PPU, each joining the Megatron worker group.
     6. Stop cleanly on Ctrl-C / SIGTERM (``ray job stop``): workers end with the driver.
     """
-    spec = idxmap.spec_for(cfg, plan)
-    for info in idxmap.check(spec):
-        log.info("corpus %s: %d documents, %.4g tokens (%s)", info.prefix, info.documents,
-                 info.tokens, info.dtype)
+    sft = cfg.data.dataset == "sft"
+    spec = sft_store.spec_for(cfg, plan) if sft else idxmap.spec_for(cfg, plan)
+    if not sft:
+        for info in idxmap.check(spec):
+            log.info("corpus %s: %d documents, %.4g tokens (%s)", info.prefix, info.documents,
+                     info.tokens, info.dtype)
     cfg = _starting_point(cfg, plan)
     started = connect(cfg)
     # ray job stop sends SIGTERM: treat it as Ctrl-C, which Ray Train turns into a graceful
@@ -271,10 +274,16 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     try:
         check_capacity(cfg)
         backend = _resolve_backend(cfg)
-        samples = _prepare_indices(spec)
-        log.info("index cache %s: %d training samples for %d needed, %d validation for %d",
-                 spec.index_cache_dir, samples["train"], plan.train_samples, samples["valid"],
-                 plan.valid_samples)
+        if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
+            rows = _as_config_error(sft_store.prepare, spec)
+            log.info("SFT rows: %d train (%d samples needed: %.2f epochs), %d validation",
+                     rows["train"], plan.train_samples, plan.train_samples / rows["train"],
+                     rows["valid"])
+        else:
+            samples = _prepare_indices(spec)
+            log.info("index cache %s: %d training samples for %d needed, %d validation for %d",
+                     spec.index_cache_dir, samples["train"], plan.train_samples,
+                     samples["valid"], plan.valid_samples)
         ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
         try:
             result = build_trainer(cfg, plan, backend, spec, token=uuid.uuid4().hex).fit()
@@ -311,6 +320,16 @@ def _starting_point(cfg: RunConfig, plan: Plan) -> RunConfig:
                         "train; use another output.dir or raise the training length",
                         checkpoint.save_root(cfg), resume.iteration, plan.train_iters)
     return cfg
+
+
+def _as_config_error(fn, *args):
+    """Bad data found while preparing it is the user's to fix: a ConfigError, not a traceback."""
+    from ray_ppu.data.preprocess import PreprocessError
+
+    try:
+        return fn(*args)
+    except (PreprocessError, ValueError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def _prepare_indices(spec: idxmap.SampleSpec) -> dict:

@@ -74,7 +74,10 @@ def transformer_config(cfg: RunConfig, plan: Plan, backend: Backend) -> Transfor
 def build_model(cfg: RunConfig, plan: Plan, backend: Backend) -> tuple[list[DistributedDataParallel], TransformerConfig]:
     """One GPTModel chunk per virtual pipeline stage, each wrapped in Megatron-Core DDP."""
     config = transformer_config(cfg, plan, backend)
-    if transformer_engine_available(backend):
+    # Packed SFT rows carry an explicit block-diagonal mask, which the local attention applies;
+    # Transformer Engine's fused causal attention would ignore it (it needs THD
+    # PackedSeqParams, not wired yet), so packed runs keep the local spec.
+    if transformer_engine_available(backend) and not plan.packed_sequences:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )

@@ -83,6 +83,7 @@ class Plan:
     eval_interval: int
     eval_iters: int
     valid_samples: int
+    packed_sequences: bool
     padded_vocab_size: int
     kv_channels: int
     num_parameters: int
@@ -140,11 +141,41 @@ def _parameter_counts(cfg: RunConfig, dims: ParallelDims, padded_vocab: int) -> 
     return total, per_device
 
 
+def _sft_problems(cfg: RunConfig) -> list[str]:
+    """SFT: JSON inputs, a tokenizer, a padding length that fits, validation data if asked."""
+    d, t = cfg.data, cfg.training
+    problems = []
+    if not d.data_path:
+        problems.append("data.data_path is empty: name the SFT training JSON files")
+    if not d.tokenizer:
+        problems.append("data.dataset=sft needs data.tokenizer (a Hugging Face tokenizer or "
+                        "checkpoint directory with a chat template)")
+    if d.max_padding_length is not None and not 0 < d.max_padding_length <= t.seq_length:
+        problems.append(f"data.max_padding_length {d.max_padding_length} must be between 1 and "
+                        f"seq_length {t.seq_length}")
+    if d.packing and d.max_padding_length is not None:
+        problems.append("data.max_padding_length applies to padded samples; with data.packing "
+                        "rows are seq_length long (drop one of the two)")
+    if t.eval_iters and not d.valid_data_path:
+        problems.append(f"eval_iters {t.eval_iters} asks for validation: set "
+                        f"data.valid_data_path (SFT has no split) or training.eval_iters=0")
+    if d.packing and cfg.parallel.pipeline_model_parallel_size > 2:
+        problems.append(f"data.packing with PP {cfg.parallel.pipeline_model_parallel_size}: "
+                        f"middle pipeline stages read no data, so they cannot build the "
+                        f"per-sample attention mask; use PP ≤ 2")
+    if t.train_tokens is not None or t.lr_warmup_tokens is not None:
+        problems.append("SFT is scheduled in iterations (train_iters, lr_warmup_iters), as the "
+                        "reference does; train_tokens / lr_warmup_tokens are for pretraining")
+    return problems
+
+
 def _data_problems(cfg: RunConfig) -> list[str]:
     """Blend syntax, split syntax, and a validation source when validation is asked for."""
     from ray_ppu.data.idxmap import BlendError, parse_blend
 
     d, t = cfg.data, cfg.training
+    if d.dataset == "sft":
+        return _sft_problems(cfg)
     problems = []
     for key, value in (("data.data_path", d.data_path), ("data.valid_data_path", d.valid_data_path)):
         if value or key == "data.data_path":
@@ -228,11 +259,14 @@ def build_plan(cfg: RunConfig) -> Plan:
             )
         else:
             num_microbatches = t.global_batch_size // per_step
+    # SFT padded to max_padding_length trains on rows of that length.
+    seq_length = (cfg.data.max_padding_length if cfg.data.dataset == "sft" and not cfg.data.packing
+                  and cfg.data.max_padding_length else t.seq_length)
     if t.seq_length > m.max_position_embeddings:
         problems.append(f"seq_length {t.seq_length} exceeds max_position_embeddings "
                         f"{m.max_position_embeddings}")
 
-    tokens_per_iter = t.global_batch_size * t.seq_length
+    tokens_per_iter = t.global_batch_size * seq_length
     if t.train_tokens is not None:
         train_iters = t.train_tokens // tokens_per_iter
     elif t.train_iters is not None:
@@ -247,7 +281,9 @@ def build_plan(cfg: RunConfig) -> Plan:
         warmup = t.lr_warmup_tokens // tokens_per_iter
     else:
         warmup = t.lr_warmup_iters
-    decay = t.lr_decay_iters if t.lr_decay_iters is not None else train_iters
+    # Pretraining decays over all iterations; SFT over those after warmup (the reference).
+    sft = cfg.data.dataset == "sft"
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else train_iters - (warmup if sft else 0)
     if warmup > decay and not problems:
         problems.append(f"lr_warmup_iters {warmup} exceeds lr_decay_iters {decay}")
     problems += _data_problems(cfg)
@@ -271,7 +307,7 @@ def build_plan(cfg: RunConfig) -> Plan:
         micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size,
         num_microbatches=num_microbatches,
-        seq_length=t.seq_length,
+        seq_length=seq_length,
         train_iters=train_iters,
         lr_warmup_iters=warmup,
         lr_decay_iters=decay,
@@ -282,6 +318,7 @@ def build_plan(cfg: RunConfig) -> Plan:
         # Megatron's count: a pass every eval_interval plus one at the end, each pass reading
         # fresh validation samples (the validation stream never rewinds).
         valid_samples=evaluations * t.eval_iters * t.global_batch_size,
+        packed_sequences=cfg.data.dataset == "sft" and cfg.data.packing,
         padded_vocab_size=padded_vocab,
         kv_channels=m.kv_channels,
         num_parameters=total,

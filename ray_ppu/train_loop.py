@@ -28,15 +28,34 @@ _INT_KEYS = ("tokens", "labels", "position_ids")
 def _as_tensors(batch: dict, device: torch.device) -> dict:
     # torch.tensor copies (Ray Data hands out read-only arrays from its object store) and
     # widens the int32 ids to the int64 Megatron's embedding and loss expect.
-    return {k: torch.tensor(v, dtype=torch.int64 if k in _INT_KEYS else torch.float32)
+    return {k: torch.tensor(v, dtype=torch.float32 if k == "loss_mask" else torch.int64)
             .to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device) -> dict:
+def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """Block-diagonal causal mask [b, 1, s, s] for rows packing several samples.
+
+    ``cu_seqlens`` [b, K]: sample boundaries per row, padded with its last value (= s). True
+    means masked out (Megatron's convention: ``attention_mask_func`` fills True with -10000):
+    a token sees earlier tokens of its own sample only.
+    """
+    positions = torch.arange(seq_length, device=cu_seqlens.device)
+    # sample index of each position: how many boundaries after the first lie at or before it
+    sample = torch.searchsorted(cu_seqlens[:, 1:].contiguous(),
+                                positions.expand(len(cu_seqlens), -1).contiguous(), right=True)
+    other_sample = sample[:, :, None] != sample[:, None, :]
+    future = torch.ones(seq_length, seq_length, dtype=torch.bool, device=cu_seqlens.device).triu(1)
+    return (other_sample | future)[:, None]
+
+
+def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device,
+              packed: bool = False) -> dict:
     """Next microbatch for this model chunk, broadcast from TP rank 0 to its TP group.
 
     First pipeline stage needs tokens and positions, the last needs labels and the loss mask;
-    chunks in between need nothing (Megatron's get_batch contract).
+    chunks in between need nothing (Megatron's get_batch contract). Packed rows also carry
+    their sample boundaries, from which every rank builds the attention mask (a few ints
+    broadcast instead of s² mask entries).
     """
     pre = get_attr_wrapped_model(model, "pre_process")
     post = get_attr_wrapped_model(model, "post_process")
@@ -47,7 +66,11 @@ def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.devi
         data = _as_tensors(next(batches), device)
     ints = tensor_parallel.broadcast_data(list(_INT_KEYS), data, torch.int64)
     floats = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)
-    return {**ints, **floats}
+    batch = {**ints, **floats}
+    if packed:
+        cu = tensor_parallel.broadcast_data(["cu_seqlens"], data, torch.int64)["cu_seqlens"]
+        batch["attention_mask"] = packed_attention_mask(cu, batch["tokens"].shape[1])
+    return batch
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -60,12 +83,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(batches, model, device: torch.device):
-    batch = get_batch(batches, model, device)
+def forward_step(batches, model, device: torch.device, packed: bool = False):
+    batch = get_batch(batches, model, device, packed)
     output = model(
         batch.get("tokens"),
         batch.get("position_ids"),
-        None,  # attention mask: causal, built by the attention module
+        # None: causal, built by the attention module; packed rows: block-diagonal causal
+        batch.get("attention_mask"),
         labels=batch.get("labels"),
     )
     return output, partial(loss_func, batch.get("loss_mask"))
@@ -185,7 +209,7 @@ def train(
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
 
     forward_backward = get_forward_backward_func()
-    step = partial(forward_step, device=device)
+    step = partial(forward_step, device=device, packed=plan.packed_sequences)
     timed = _TimedIterator(batches) if batches is not None else None
     batches = timed
     tokens_per_iteration = plan.global_batch_size * plan.seq_length

@@ -22,7 +22,7 @@ def ray_cluster():
     from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES
 
     os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
-    ray.init(num_cpus=8, resources={"PPU": SIMULATED_PPUS}, log_to_driver=True)
+    ray.init(address="local", num_cpus=8, resources={"PPU": SIMULATED_PPUS}, log_to_driver=True)
     yield ray
     ray.shutdown()
 

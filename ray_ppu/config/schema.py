@@ -137,11 +137,25 @@ class TrainingConfig:
 class DataConfig:
     """Where training samples come from."""
 
+    dataset: Literal["idxmap", "sft"] = "idxmap"
+    """idxmap: pretraining on Megatron .bin/.idx corpora; sft: fine-tuning on raw JSON (alpaca
+    or chat records) read and tokenized by Ray Data (the reference's MP_DATASET_TYPE=raw)."""
     data_path: list[str] = field(default_factory=list)
-    """Megatron idxmap prefixes (``prefix.bin`` / ``prefix.idx``): ``[prefix, ...]`` (each read
+    """idxmap: Megatron idxmap prefixes (``prefix.bin`` / ``prefix.idx``): ``[prefix, ...]`` (each read
     once, in proportion to its size) or a blend ``[weight, prefix, weight, prefix, ...]``."""
     valid_data_path: list[str] = field(default_factory=list)
-    """Validation prefixes or blend, same forms; empty = the validation share of ``split``."""
+    """Validation prefixes or blend, same forms; empty = the validation share of ``split``.
+    sft: both are JSON / JSONL / Parquet files, directories or globs."""
+    tokenizer: Optional[str] = None
+    """sft: Hugging Face tokenizer (or checkpoint) directory with tokenizer.json and a chat
+    template in tokenizer_config.json (the reference's PRETRAIN_CHECKPOINT_PATH)."""
+    max_padding_length: Optional[int] = None
+    """sft without packing: each sample padded to this many tokens (reference PAD_LEN, ≤
+    seq_length; default seq_length); it is then the length the model trains on."""
+    packing: bool = False
+    """sft: several samples per seq_length row, attention kept within each (MP_SFT_PACKING)."""
+    on_bad_record: Literal["skip", "fail"] = "skip"
+    """sft: a malformed or unusable record is skipped and counted (skip) or stops the run (fail)."""
     split: str = "99,1,0"
     """Train/validation/test split of ``data_path``'s documents, Megatron's "a,b,c" form (ignored
     when ``valid_data_path`` is set: training then uses all of ``data_path``)."""

@@ -16,7 +16,7 @@ import numpy as np
 import ray
 import ray.train
 
-from ray_ppu.data import idxmap
+from ray_ppu.data import idxmap, sft_store
 from ray_ppu.data.order import rank_sample_ids
 from ray_ppu.plan import ParallelDims
 
@@ -33,12 +33,14 @@ class _RankReader:
                  global_batch_size: int, micro_batch_size: int) -> None:
         self.spec, self.split, self.dp_rank, self.dp_size = spec, split, dp_rank, dp_size
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
-        idxmap.dataset(spec, split)
+        # idxmap: Megatron's datasets over .bin/.idx; sft: the stored rows of the JSON shards.
+        self.source = sft_store if isinstance(spec, sft_store.SFTSpec) else idxmap
+        self.source.dataset(spec, split)
 
     def __call__(self, batch: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         ids = rank_sample_ids(batch["iteration"], self.dp_rank, self.dp_size,
                               self.global_batch_size, self.micro_batch_size)
-        return idxmap.read(self.spec, ids, self.split)
+        return self.source.read(self.spec, ids, self.split)
 
 
 def steps_dataset(total: int, start: Callable[[], int] = lambda: 0):

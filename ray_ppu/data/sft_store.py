@@ -1,0 +1,161 @@
+"""SFT rows, tokenized once by Ray Data and stored on shared disk, then read by sample id.
+
+Fine-tuning corpora are raw JSON shards (:mod:`ray_ppu.data.sft`): Ray Data reads, templates,
+tokenizes and packs them in parallel, in input order. :func:`prepare` streams those rows into
+one flat file per column under the cache directory (never all in memory), then writes
+``meta.json`` last; every reader memory-maps the files. Training then reads row ids exactly as
+it reads idxmap samples (:mod:`ray_ppu.data.order`): iteration *i* consumes global rows
+``[i × gbs, (i+1) × gbs)``, cycling through the rows epoch after epoch (the reference's
+"cyclic" loader), so the order is DP-independent and a resumed run continues at the next row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+log = logging.getLogger("ray_ppu")
+
+META = "meta.json"
+SPLITS = ("train", "valid")
+
+
+@dataclass(frozen=True)
+class SFTSpec:
+    """Everything that fixes the SFT rows of a run (hashable: the cache key)."""
+
+    train_paths: tuple[str, ...]
+    valid_paths: tuple[str, ...]
+    tokenizer_dir: str
+    seq_length: int
+    max_padding_length: Optional[int]
+    packing: bool
+    on_error: str
+    cache_dir: str
+    train_samples: int
+    valid_samples: int = 0
+
+    def paths(self, split: str) -> tuple[str, ...]:
+        return {"train": self.train_paths, "valid": self.valid_paths}[split]
+
+    def samples(self, split: str) -> int:
+        return {"train": self.train_samples, "valid": self.valid_samples}[split]
+
+    def split_dir(self, split: str) -> Path:
+        """Rows depend on inputs, tokenizer and layout, not on how many samples a run reads."""
+        key = {k: v for k, v in dataclasses.asdict(self).items()
+               if k not in ("cache_dir", "train_samples", "valid_samples")}
+        key["split"], key["paths"] = split, self.paths(split)
+        for k in ("train_paths", "valid_paths"):
+            key.pop(k)
+        digest = hashlib.md5(json.dumps(key, sort_keys=True).encode(), usedforsecurity=False)
+        return Path(self.cache_dir) / f"sft-{split}-{digest.hexdigest()[:16]}"
+
+
+def spec_for(cfg, plan) -> SFTSpec:
+    """The SFTSpec of a run (``cfg``: RunConfig with ``data.dataset == "sft"``)."""
+    d = cfg.data
+    cache = d.index_cache_dir or str(Path(cfg.output.dir) / "index_cache")
+    return SFTSpec(
+        train_paths=tuple(d.data_path),
+        valid_paths=tuple(d.valid_data_path),
+        tokenizer_dir=str(Path(d.tokenizer).expanduser().resolve()),
+        seq_length=cfg.training.seq_length,
+        max_padding_length=None if d.packing else plan.seq_length,
+        packing=d.packing,
+        on_error=d.on_bad_record,
+        cache_dir=str(Path(cache).expanduser().resolve()),
+        train_samples=plan.train_samples,
+        valid_samples=plan.valid_samples,
+    )
+
+
+def _write_split(spec: SFTSpec, split: str) -> dict:
+    """Run the Ray Data pipeline for one split, appending each column to its file."""
+    from ray_ppu.data.sft import sft_dataset
+
+    out = spec.split_dir(split)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    ds, stats_fn = sft_dataset(list(spec.paths(split)), spec.tokenizer_dir, spec.seq_length,
+                               spec.max_padding_length, spec.packing, spec.on_error)
+    files: dict = {}
+    shapes: dict = {}
+    rows = 0
+    try:
+        for batch in ds.iter_batches(batch_size=256, batch_format="numpy"):
+            for key, value in batch.items():
+                if key not in files:
+                    files[key] = open(tmp / f"{key}.bin", "wb")
+                    shapes[key] = (list(value.shape[1:]), value.dtype.str)
+                files[key].write(np.ascontiguousarray(value).tobytes())
+            rows += len(next(iter(batch.values())))
+    finally:
+        for f in files.values():
+            f.close()
+    summary = stats_fn()
+    meta = {"rows": rows, "columns": shapes, "summary": summary, "split": split,
+            "paths": list(spec.paths(split))}
+    (tmp / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+    if out.exists():  # another process finished first: keep its (identical) rows
+        return json.loads((out / META).read_text())
+    tmp.rename(out)  # published whole: readers never see a half-written split
+    return meta
+
+
+def prepare(spec: SFTSpec) -> dict[str, int]:
+    """Tokenize (or find in the cache) each split the run reads; returns rows per split.
+
+    Needs a connected Ray. Logs the record accounting: read, used, dropped by reason,
+    truncated, packing efficiency. Fails when a split yields no rows.
+    """
+    rows = {}
+    for split in SPLITS:
+        if not spec.samples(split):
+            rows[split] = 0
+            continue
+        meta_path = spec.split_dir(split) / META
+        start = time.perf_counter()
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else _write_split(spec, split)
+        s = meta["summary"]
+        log.info("SFT %s: %d records read, %d used, %d dropped %s, %d truncated -> %d rows of %d "
+                 "tokens, packing efficiency %.1f %% (%s, %.1f s)", split, s["records_read"],
+                 s["samples_used"], s["dropped_total"],
+                 {k: v for k, v in s["dropped"].items() if v}, s["truncated"], meta["rows"],
+                 spec.seq_length if spec.packing else spec.max_padding_length,
+                 100 * s["packing_efficiency"], spec.split_dir(split),
+                 time.perf_counter() - start)
+        if meta["rows"] == 0:
+            raise ValueError(f"SFT {split} data {list(spec.paths(split))} gave no usable "
+                             f"samples ({s['records_read']} records read, dropped: "
+                             f"{ {k: v for k, v in s['dropped'].items() if v} })")
+        rows[split] = meta["rows"]
+    return rows
+
+
+@functools.lru_cache(maxsize=8)
+def dataset(spec: SFTSpec, split: str = "train") -> dict[str, np.ndarray]:
+    """This process's memory maps of one split's columns (``[rows, ...]`` each)."""
+    out = spec.split_dir(split)
+    meta = json.loads((out / META).read_text())
+    return {key: np.memmap(out / f"{key}.bin", dtype=np.dtype(dtype), mode="r",
+                           shape=(meta["rows"], *shape))
+            for key, (shape, dtype) in meta["columns"].items()}
+
+
+def read(spec: SFTSpec, sample_ids: np.ndarray, split: str = "train") -> dict[str, np.ndarray]:
+    """Rows ``sample_ids`` of ``split`` (cycling: id modulo the row count), every column."""
+    columns = dataset(spec, split)
+    n = len(next(iter(columns.values())))
+    rows = np.asarray(sample_ids, dtype=np.int64) % n
+    return {key: np.array(col[rows]) for key, col in columns.items()}
