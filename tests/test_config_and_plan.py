@@ -41,6 +41,28 @@ def test_reference_7b_plan():
     assert plan.lr_decay_iters == 9536
 
 
+def test_shipped_sft_config_follows_the_reference_sft_schedule():
+    cfg = load(REPO / "entrypoints" / "configs" / "qwen2.5-7b-sft.yaml")
+    plan = build_plan(cfg)
+    assert cfg.data.dataset == "sft" and plan.seq_length == 4096  # PAD_LEN
+    assert (plan.train_iters, plan.lr_warmup_iters, plan.lr_decay_iters) == (2000, 50, 1950)
+    assert plan.num_microbatches == 16 and not plan.packed_sequences
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["data.max_padding_length=8192"], "max_padding_length 8192 must be between 1 and seq_length 4096"),
+    (["data.tokenizer=null"], "data.dataset=sft needs data.tokenizer"),
+    (["data.valid_data_path=[]"], "SFT has no split"),
+    (["data.packing=true"], "with data.packing rows are seq_length long"),
+    (["data.packing=true", "data.max_padding_length=null", "parallel.pipeline_model_parallel_size=4",
+      "cluster.num_workers=64"], "middle pipeline stages read no data"),
+    (["training.train_tokens=1e9"], "SFT is scheduled in iterations"),
+])
+def test_sft_settings_are_checked(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        build_plan(load(REPO / "entrypoints" / "configs" / "qwen2.5-7b-sft.yaml", extra))
+
+
 def test_yaml_file_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("model:\n  preset: 3B\n  num_layers: 4\ntraining:\n  train_tokens: 2e9\n"
