@@ -2,6 +2,7 @@
 
     python entrypoints/benchmark.py overhead [--rounds 3] [--iters 30] [key=value ...]
     python entrypoints/benchmark.py data [--tokens 1e9] [--seq-length 4096] [--rounds 3]
+    python entrypoints/benchmark.py recovery [--dir DIR] [--reference] [--json FILE]
 
 ``overhead``: the same tiny training run under Ray Train (embedded local Ray, Ray Data stream)
 and under plain torchrun (in-process reads), alternating so both see the same machine noise.
@@ -13,6 +14,15 @@ tokens, written once under ``--dir``): time to first batch with a cold and a war
 then tokens per second delivered by (a) the ray_ppu Ray Data path and (b) Megatron's
 GPTDataset + ``torch.utils.data.DataLoader`` with Megatron-LM's sampler (Pai-Megatron-Patch's
 path), alternated; and the demo's time waiting for data per iteration (from metrics.jsonl).
+
+``recovery``: node loss under Ray Train V2 on a simulated multi-node cluster
+(``ray.cluster_utils.Cluster``: a CPU-only head and three nodes with one PPU each, one spare).
+The tiny model trains on 2 workers (DP 2), saving every 2 iterations; once the checkpoint at
+iteration 4 is complete a PPU node hosting a worker is removed (its raylet and worker killed)
+and the group restarts on the survivors. Prints the time from the loss to the first completed iteration after it
+(detection, worker-group restart, checkpoint load, first step), the iterations lost, and the
+checkpoint save/load throughput against the raw write/read speed of the same disk.
+``--reference`` runs the same job uninterrupted first (tests/test_faults.py compares them).
 """
 
 from __future__ import annotations
@@ -20,10 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -199,6 +212,354 @@ def data(args) -> None:
             print(f"demo ({demo_metrics}): data wait {wait * 1000:.2f} ms per iteration of "
                   f"{step * 1000:.0f} ms = {100 * wait / step:.2f} %")
 
+# ---------------------------------------------------------------------------------------------
+# recovery: node loss on a simulated multi-node cluster
+# ---------------------------------------------------------------------------------------------
+
+RECOVERY_ITERS = 8
+RECOVERY_SAVE_INTERVAL = 2
+LOSS_AFTER = 4  # the node is removed once this iteration's checkpoint is complete
+
+
+def _node_of_a_train_worker(nodes):
+    """One of ``nodes`` that hosts a Ray Train worker (a spare node's loss would not fail)."""
+    from ray.util.state import list_actors
+
+    hosts = {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+             if "RayTrainWorker" in (a.class_name or "")}
+    for node in nodes:
+        if node.node_id in hosts:
+            return node
+    raise RuntimeError(f"no Ray Train worker on the PPU nodes {[n.node_id[:8] for n in nodes]}")
+
+
+def recovery_overrides(corpus: str, out: Path, *extra: str) -> list[str]:
+    """The checkpoint tests' run (tests/test_checkpoint.py): tiny model, fp32 on CPU, seq 32,
+    global batch 4, 8 iterations, validation at 4 and 8, on 2 workers, saving every 2."""
+    return [
+        f"data.data_path=[{corpus}]", f"output.dir={out}", "output.tensorboard=false",
+        "cluster.device=cpu", "training.precision=fp32",
+        f"training.train_iters={RECOVERY_ITERS}", "training.global_batch_size=4",
+        "training.micro_batch_size=1", "training.seq_length=32", "training.lr=2e-2",
+        "training.min_lr=3e-4", "training.lr_warmup_iters=1", "training.log_interval=1",
+        "training.eval_interval=4", "training.eval_iters=1", "data.split=80,20,0",
+        "model.make_vocab_size_divisible_by=64", "cluster.num_workers=2",
+        f"checkpoint.save_interval={RECOVERY_SAVE_INTERVAL}", "cluster.max_failures=2", *extra,
+    ]
+
+
+def _rows(out: Path) -> list[dict]:
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _recovery_child(args) -> None:
+    """The scenario itself, in its own process (its own Ray: a Cluster of simulated nodes)."""
+    import signal
+    import threading
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from ray_ppu import checkpoint
+    from ray_ppu.config.loader import load
+    from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES, launch
+    from ray_ppu.plan import build_plan
+    from ray_ppu.run import absolute_paths, prepare_output
+
+    # Every raylet started below inherits this: distinct PPU ids per worker.
+    os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
+    work = Path(args.dir).resolve()
+    node_args = {"num_cpus": 1, "resources": {"PPU": 1}}
+    # Head: the driver, Ray Train's controller and the data readers (2 ranks × 2 splits × 2
+    # actors × 0.5 CPU), no PPU; each PPU node: one worker (1 CPU, 1 PPU).
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 6})
+    # Three PPU nodes for two workers: one spare, so the group restarts at full size on the
+    # survivors (nodes are added only from the main thread, which is busy in launch()).
+    ppu_nodes = [cluster.add_node(**node_args) for _ in range(3)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=True)
+    result: dict = {}
+
+    def config(out: Path):
+        cfg = absolute_paths(load(None, recovery_overrides(args.corpus, out)))
+        plan = build_plan(cfg)
+        prepare_output(cfg, plan)
+        return cfg, plan
+
+    try:
+        if args.reference:
+            out = work / "reference"
+            cfg, plan = config(out)
+            t0 = time.time()
+            result["reference_final"] = launch(cfg, plan)
+            result["reference_wall_s"] = time.time() - t0
+            result["reference_dir"] = str(out)
+            result["reference_root"] = str(checkpoint.save_root(cfg))
+
+        out = work / "interrupted"
+        cfg, plan = config(out)
+        root = checkpoint.save_root(cfg)
+        meta_file = root / f"iter_{LOSS_AFTER:07d}" / checkpoint.META_FILE
+        stop, events = threading.Event(), {}
+
+        def lose_a_node() -> None:
+            while not stop.is_set():
+                if meta_file.exists():
+                    events["loss_start"] = time.time()
+                    rows = _rows(out)
+                    victim = _node_of_a_train_worker(ppu_nodes)
+                    cluster.remove_node(victim, allow_graceful=not args.hard)
+                    events["removed"] = time.time()
+                    events["removed_node"] = victim.node_id
+                    events["rows_at_loss"] = len(rows)
+                    print(f"RECOVERY node {victim.node_id[:8]} removed at {events['removed']:.3f}",
+                          flush=True)
+                    # Ray starts a node's processes with PR_SET_PDEATHSIG: keep this thread
+                    # (which removed one) alive until the run is over.
+                    stop.wait()
+                    return
+                time.sleep(0.01)
+
+        def guarded() -> None:
+            try:
+                lose_a_node()
+            except BaseException as err:  # the run would wait for PPUs forever: abort it
+                events["error"] = repr(err)
+                print(f"RECOVERY failed: {err!r}", flush=True)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        thread = threading.Thread(target=guarded, daemon=True)
+        thread.start()
+        t0 = time.time()
+        try:
+            result["final"] = launch(cfg, plan)
+        finally:
+            stop.set()
+            thread.join()
+        result.update(wall_s=time.time() - t0, events=events, dir=str(out), root=str(root))
+        record = root / checkpoint.STREAM_START_FILE
+        result["stream_start"] = json.loads(record.read_text())
+        result["stream_start_mtime"] = record.stat().st_mtime
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    Path(args.child_json).write_text(json.dumps(result, default=str))
+
+
+_ASCTIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
+_LOADED = re.compile(_ASCTIME + r" loaded (\S+) in ([\d.]+) s: training continues at iteration (\d+)")
+_SAVED = re.compile(_ASCTIME + r" checkpoint at iteration (\d+) saved to (\S+) in ([\d.]+) s")
+# Ray Train V2's controller on a worker-group failure (its log lines reach the driver's output).
+_DETECTED = re.compile(r"Training failed due to worker errors|health check failed|ActorDiedError")
+_ATTEMPT = re.compile(r"Attempting to start training worker group")
+_STARTED = re.compile(r"Started training worker group")
+
+
+def _asctime(text: str) -> float:
+    import datetime
+
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def raw_disk_speed(directory: Path, size: int) -> tuple[float, float]:
+    """(write, read) bytes/s of ``directory``'s disk: a ``size``-byte file written with fsync,
+    dropped from the page cache, read back."""
+    size = max(size, 16 << 20)
+    chunk = os.urandom(4 << 20)
+    path = Path(directory) / "raw_disk_probe.bin"
+    try:
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            written = 0
+            while written < size:
+                f.write(chunk)
+                written += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        write = written / (time.perf_counter() - t0)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: really dropped
+        finally:
+            os.close(fd)
+        t0 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.read(4 << 20):
+                pass
+        read = written / (time.perf_counter() - t0)
+    finally:
+        path.unlink(missing_ok=True)
+    return write, read
+
+
+def recovery(args) -> dict:
+    """Run the scenario in a child process, timestamp its output lines, print the figures."""
+    work = Path(args.dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if args.corpus is None:
+        from ray_ppu.data.preprocess import build_stdlib_corpus
+        from ray_ppu.data.tokenizer import qwen2
+
+        args.corpus = str(work / "corpus" / "stdlib_text_document")
+        build_stdlib_corpus(args.corpus, qwen2(), max_bytes=600_000)
+    child_json = work / "child.json"
+    child_json.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "recovery", "--child", "--child-json", str(child_json),
+           "--dir", str(work), "--corpus", args.corpus]
+    cmd += ["--reference"] if args.reference else []
+    cmd += ["--hard"] if args.hard else []
+    lines: list[tuple[float, str]] = []
+    start = time.time()
+    with open(work / "recovery.log", "w") as log_file:
+        # Own process group: on timeout the scenario and every Ray process it started go.
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True)
+
+        def stop_child() -> None:
+            lines.append((time.time(), f"RECOVERY timed out after {args.timeout:.0f} s"))
+            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    return
+                time.sleep(grace)
+
+        watchdog = threading.Timer(args.timeout, stop_child)
+        watchdog.daemon = True
+        watchdog.start()
+        for line in proc.stdout:
+            now = time.time()
+            lines.append((now, line.rstrip("\n")))
+            log_file.write(f"{now:.3f} {line}")
+            log_file.flush()
+            if args.verbose:
+                print(line, end="", flush=True)
+        rc = proc.wait()
+        watchdog.cancel()
+    if rc != 0 or not child_json.exists():
+        tail = "\n".join(l for _, l in lines[-60:])
+        raise SystemExit(f"recovery scenario failed (rc {rc}); log {work / 'recovery.log'}:\n{tail}")
+    res = json.loads(child_json.read_text())
+    res["total_wall_s"] = time.time() - start
+    res["hard"] = args.hard
+    ev = res["events"]
+    if "removed" not in ev:
+        raise SystemExit("the node was never removed: the run ended before the checkpoint at "
+                         f"iteration {LOSS_AFTER} was complete")
+    t_loss = ev["removed"]
+    rows = _rows(Path(res["dir"]))
+    train = [r for r in rows if "lm_loss" in r]
+    before = [r for r in train if r["time"] <= t_loss]
+    last_before = max((r["iteration"] for r in before), default=0)
+    resumed_at = res["stream_start"]["iteration"]
+    after = [r for r in train if r["time"] > t_loss]
+    first_after = after[0] if after else None
+
+    loads = [(_asctime(m[1]), m[2], float(m[3]), int(m[4]))
+             for _, l in lines if (m := _LOADED.search(l))]
+    load = next((x for x in loads if x[0] > t_loss), None)
+    saves = [(_asctime(m[1]), int(m[2]), m[3], float(m[4]))
+             for _, l in lines if (m := _SAVED.search(l))]
+    # Detection: the first line after the loss that is about the failure (controller / Ray core),
+    # else the restarted group's dataset factories writing stream_start.json.
+    detect_line = next(((t, l) for t, l in lines
+                        if t > t_loss and "RECOVERY" not in l and _DETECTED.search(l)), None)
+    t_detect = detect_line[0] if detect_line else res["stream_start_mtime"]
+    t_attempt = next((t for t, l in lines if t > t_loss and _ATTEMPT.search(l)), None)
+    t_started = next((t for t, l in lines if t > t_loss and _STARTED.search(l)), None)
+    t_load_end = load[0] if load else None
+    t_load_start = t_load_end - load[2] if load else None
+    t_first = first_after["time"] if first_after else None
+
+    def span(a, b):
+        return None if a is None or b is None else b - a
+
+    figures = {
+        "detection_s": span(t_loss, t_detect),
+        "group_restart_s": span(t_detect, t_load_start),
+        "restart_attempt_after_detection_s": span(t_detect, t_attempt),
+        "group_started_after_detection_s": span(t_detect, t_started),
+        "stream_start_written_after_loss_s": span(t_loss, res["stream_start_mtime"]),
+        "checkpoint_load_s": load[2] if load else None,
+        "first_step_s": span(t_load_end, t_first),
+        "recovery_s": span(t_loss, t_first),
+        "remove_node_call_s": ev["removed"] - ev["loss_start"],
+        "last_iteration_before_loss": last_before,
+        "resumed_from_iteration": resumed_at,
+        "iterations_lost": last_before - resumed_at,
+        "detect_line": (re.sub(r"\x1b\[[0-9;]*m", "", detect_line[1])[:200] if detect_line
+                        else "(stream_start.json mtime)"),
+    }
+    # Checkpoint throughput: bytes of each saved directory that still exists ÷ its logged time.
+    ckpt_bytes, save_rates = 0, []
+    for _, iteration, path, secs in saves:
+        if Path(path).is_dir() and secs > 0:
+            b = _dir_bytes(Path(path))
+            ckpt_bytes = max(ckpt_bytes, b)
+            save_rates.append(b / secs)
+    if load and Path(load[1]).is_dir():
+        ckpt_bytes = ckpt_bytes or _dir_bytes(Path(load[1]))
+        figures["load_Bps"] = _dir_bytes(Path(load[1])) / max(load[2], 1e-9)
+    figures["checkpoint_bytes"] = ckpt_bytes
+    figures["save_times_s"] = [s[3] for s in saves]
+    figures["save_Bps"] = statistics.median(save_rates) if save_rates else None
+    figures["save_best_Bps"] = max(save_rates) if save_rates else None  # least disturbed save
+    write, read = raw_disk_speed(Path(res["root"]), ckpt_bytes)
+    figures.update(raw_write_Bps=write, raw_read_Bps=read)
+    res["figures"] = figures
+    _print_recovery(figures, res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    return res
+
+
+def _print_recovery(f: dict, res: dict) -> None:
+    def sec(x):
+        return "   n/a" if x is None else f"{x:6.1f} s"
+
+    def mbs(x):
+        return "n/a" if x is None else f"{x / 1e6:,.0f} MB/s"
+
+    rec = f["recovery_s"]
+    ratio = (f["save_Bps"] / f["raw_write_Bps"]) if f["save_Bps"] else None
+    lost_ok = f["iterations_lost"] <= RECOVERY_SAVE_INTERVAL
+    print(f"\nnode loss → first completed iteration after it (tiny model, DP 2, "
+          f"{'SIGKILL' if res.get('hard') else 'node removed'}):")
+    print(f"  detection (loss → Ray Train notices)     {sec(f['detection_s'])}"
+          f"   [{f['detect_line'][:90]}]")
+    print(f"  worker-group restart                     {sec(f['group_restart_s'])}"
+          f"   (restart attempted +{sec(f['restart_attempt_after_detection_s']).strip()},"
+          f" group started +{sec(f['group_started_after_detection_s']).strip()},"
+          f" then workers build the model until the load starts)")
+    print(f"  checkpoint load                          {sec(f['checkpoint_load_s'])}")
+    print(f"  first step                               {sec(f['first_step_s'])}")
+    print(f"  total recovery                           {sec(rec)}   target ≤ 30 s: "
+          f"{'OK' if rec is not None and rec <= 30 else 'MISSED'}")
+    print(f"  iterations lost  {f['last_iteration_before_loss']} reached − checkpoint "
+          f"{f['resumed_from_iteration']} = {f['iterations_lost']}   target ≤ save interval "
+          f"{RECOVERY_SAVE_INTERVAL}: {'OK' if lost_ok else 'MISSED'}")
+    print(f"checkpoint {f['checkpoint_bytes'] / 1e6:.1f} MB; save times {f['save_times_s']} s "
+          f"(logged to 0.1 s)")
+    print(f"  save  {mbs(f['save_Bps']):>14}  (median) vs raw write (fsync) {mbs(f['raw_write_Bps'])}"
+          f"  = {'n/a' if ratio is None else f'{100 * ratio:.0f} %'}   target ≥ 50 %: "
+          f"{'OK' if ratio is not None and ratio >= 0.5 else 'MISSED'}")
+    if f.get("save_best_Bps"):
+        print(f"  save (fastest of the saves) {mbs(f['save_best_Bps'])} = "
+              f"{100 * f['save_best_Bps'] / f['raw_write_Bps']:.0f} % of raw write")
+    print(f"  load  {mbs(f.get('load_Bps')):>14}  vs raw read (cache dropped) "
+          f"{mbs(f['raw_read_Bps'])}")
+    print(f"wall: interrupted run {res['wall_s']:.1f} s"
+          + (f", reference {res['reference_wall_s']:.1f} s" if "reference_wall_s" in res else "")
+          + f", all {res['total_wall_s']:.1f} s")
+
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,11 +577,27 @@ def main() -> None:
     da.add_argument("--dp-size", type=int, default=8)
     da.add_argument("--iters", type=int, default=50, help="iterations read per round")
     da.add_argument("--rounds", type=int, default=3)
+    rc = sub.add_parser("recovery", help="node loss: recovery time, iterations lost, "
+                                         "checkpoint throughput vs raw disk")
+    rc.add_argument("--dir", default="outputs/benchmark_recovery", help="runs, corpus, log")
+    rc.add_argument("--corpus", default=None, help="idxmap prefix (default: a small stdlib one)")
+    rc.add_argument("--reference", action="store_true", help="run uninterrupted first")
+    rc.add_argument("--hard", action="store_true",
+                    help="SIGKILL the node's processes (default: SIGTERM first, as remove_node)")
+    rc.add_argument("--json", default=None, help="write all figures and the runs' results here")
+    rc.add_argument("--timeout", type=float, default=900, help="give up (and stop it) after")
+    rc.add_argument("--verbose", action="store_true", help="echo the scenario's output")
+    rc.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    rc.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bench == "overhead":
         overhead(args.rounds, args.iters, args.overrides)
-    else:
+    elif args.bench == "data":
         data(args)
+    elif args.child:
+        _recovery_child(args)
+    else:
+        recovery(args)
 
 
 if __name__ == "__main__":
