@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -55,7 +56,9 @@ def main(argv=None) -> int:
 
     import ray
 
-    ray.init()  # RAY_ADDRESS (ray job submit) joins that cluster; otherwise a local Ray
+    # RAY_ADDRESS (ray job submit) joins that cluster; otherwise a new local Ray (never one
+    # that `ray start` or a test cluster happened to leave on this machine)
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
     try:
         stats = preprocess_with_ray(files, args.output_prefix, tokenizer, json_key=args.json_key,
                                     workers=args.workers, strict=args.strict)

@@ -505,8 +505,8 @@ def build_demo_corpus(out_dir: str | Path, max_bytes: int = 4_000_000, workers: 
                 out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
         tmp.replace(path)
     started_ray = not ray.is_initialized()
-    if started_ray:
-        ray.init()
+    if started_ray:  # RAY_ADDRESS joins that cluster; otherwise a new local Ray, never a stale one
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
     try:
         preprocess_with_ray([str(raw)], prefix, tokenizer_dir, workers=workers)
     finally:
