@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
-.PHONY: install demo test benchmark clean
+.PHONY: install demo test test-faults benchmark clean
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed  ## tiny Qwen2.5 on the stdlib corpus, 2 workers, TP=2, local Ray
@@ -22,6 +22,9 @@ demo: $(VENV)/.installed  ## tiny Qwen2.5 on the stdlib corpus, 2 workers, TP=2,
 
 test: $(VENV)/.installed  ## the CPU test suite (real Ray, real Megatron-Core)
 	$(PY) -m pytest -q
+
+test-faults: $(VENV)/.installed  ## node loss on a simulated multi-node Ray cluster (minutes)
+	$(PY) -m pytest -q -m faults
 
 benchmark: $(VENV)/.installed  ## Ray Train vs torchrun overhead
 	$(PY) entrypoints/benchmark.py overhead

@@ -222,14 +222,24 @@ LOSS_AFTER = 4  # the node is removed once this iteration's checkpoint is comple
 
 
 def _node_of_a_train_worker(nodes):
-    """One of ``nodes`` that hosts a Ray Train worker (a spare node's loss would not fail)."""
-    from ray.util.state import list_actors
+    """One of ``nodes`` that hosts a Ray Train worker (a spare node's loss would not fail).
 
-    hosts = {a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
-             if "RayTrainWorker" in (a.class_name or "")}
+    A node's workers are child processes of its raylet; no state API (it needs the dashboard,
+    which a test cluster may not run).
+    """
+    import psutil
+    from ray._private import ray_constants
+
+    workers = [p for p in psutil.process_iter(["cmdline"])
+               if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])]
     for node in nodes:
-        if node.node_id in hosts:
-            return node
+        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        for proc in workers:
+            try:
+                if raylet in {p.pid for p in proc.parents()}:
+                    return node
+            except psutil.Error:  # exited meanwhile
+                continue
     raise RuntimeError(f"no Ray Train worker on the PPU nodes {[n.node_id[:8] for n in nodes]}")
 
 

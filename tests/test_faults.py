@@ -53,6 +53,7 @@ def node_loss(corpus, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.faults
 def test_node_loss_resumes_exactly(node_loss):
     res, figures = node_loss, node_loss["figures"]
     assert "removed" in res["events"], res["events"]
