@@ -19,24 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from test_checkpoint import _curve, _rows  # same metrics.jsonl readers as the checkpoint tests
+
 REPO = Path(__file__).resolve().parents[1]
 ITERS, GBS = 8, 4
-
-
-def _rows(out) -> list[dict]:
-    with open(Path(out) / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def _curve(rows) -> dict:
-    """{iteration: loss}; a later row for the same iteration (after a restart) replaces it."""
-    curve = {}
-    for r in rows:
-        if "lm_loss" in r:
-            curve[r["iteration"]] = r["lm_loss"]
-        elif "valid_lm_loss" in r:
-            curve[("valid", r["iteration"])] = r["valid_lm_loss"]
-    return curve
 
 
 @pytest.fixture(scope="module")
