@@ -90,7 +90,7 @@ def check_capacity(cfg: RunConfig) -> None:
 
 
 @ray.remote(num_cpus=1)
-def _prepare_index(spec: idxmap.SampleSpec) -> int:
+def _prepare_index(spec: idxmap.SampleSpec) -> dict[str, int]:
     return idxmap.prepare(spec)
 
 

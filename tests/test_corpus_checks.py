@@ -55,8 +55,10 @@ def patch_idx(prefix: str, offset: int, data: bytes) -> None:
         f.write(data)
 
 
-def problems(excinfo) -> list[str]:
-    """The one-line-per-problem body of a CorpusError."""
+def check_problems(*args, **kwargs) -> list[str]:
+    """check_corpus(*args) must fail; the one-line-per-problem body of its CorpusError."""
+    with pytest.raises(CorpusError) as excinfo:
+        check_corpus(*args, **kwargs)
     head, *lines = str(excinfo.value).splitlines()
     assert head == "unusable idxmap corpus:"
     return [line.removeprefix("  - ") for line in lines]
@@ -103,43 +105,38 @@ def test_several_prefixes_return_one_info_each(corpus, tmp_path):
 @pytest.mark.parametrize("suffix", [".bin", ".idx"])
 def test_missing_file_is_named(corpus, suffix):
     os.remove(corpus + suffix)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    assert problems(exc) == [f"{corpus}{suffix}: missing"]
+    found = check_problems([corpus], SEQ, VOCAB)
+    assert found == [f"{corpus}{suffix}: missing"]
 
 
 def test_prefix_given_with_suffix_gets_a_hint(corpus):
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus + ".bin"], SEQ, VOCAB)
-    assert f"{corpus}.bin.bin: missing" in problems(exc)[0]
-    assert f"did you mean {corpus}?" in problems(exc)[0]
+    found = check_problems([corpus + ".bin"], SEQ, VOCAB)
+    assert f"{corpus}.bin.bin: missing" in found[0]
+    assert f"did you mean {corpus}?" in found[0]
 
 
 # -- .idx header -----------------------------------------------------------------------------------
 
 def test_wrong_magic_says_found_and_expected(corpus):
     patch_idx(corpus, 0, b"NOTMAGIC!")
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([corpus], SEQ, VOCAB)
+    [line] = found
     assert line.startswith(f"{corpus}.idx: ")
     assert repr(b"NOTMAGIC!") in line and repr(MAGIC) in line
 
 
 def test_unsupported_version(corpus):
     patch_idx(corpus, 9, struct.pack("<Q", 2))
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([corpus], SEQ, VOCAB)
+    [line] = found
     assert line.startswith(f"{corpus}.idx: unsupported index version 2 ")
     assert "version 1 only" in line
 
 
 def test_unknown_dtype_code_lists_known_codes(corpus):
     patch_idx(corpus, 17, struct.pack("<B", 99))
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([corpus], SEQ, VOCAB)
+    [line] = found
     assert line.startswith(f"{corpus}.idx: unknown dtype code 99 ")
     assert "4 int32" in line and "8 uint16" in line and "1 uint8" in line
 
@@ -149,27 +146,24 @@ def test_idx_truncated_inside_arrays(corpus):
     full = HEADER_BYTES + 6 * 4 + 6 * 8 + 6 * 8
     assert os.path.getsize(corpus + ".idx") == full
     os.truncate(corpus + ".idx", full - 8)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    assert problems(exc) == [f"{corpus}.idx: truncated: {full - 8} bytes, but its header "
+    found = check_problems([corpus], SEQ, VOCAB)
+    assert found == [f"{corpus}.idx: truncated: {full - 8} bytes, but its header "
                              f"(6 sequences, 6 document-index entries) needs {full} bytes"]
 
 
 @pytest.mark.parametrize("size", [0, 5, 20])
 def test_idx_truncated_inside_header(corpus, size):
     os.truncate(corpus + ".idx", size)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    assert problems(exc) == [f"{corpus}.idx: truncated: {size} bytes, shorter than the 34-byte header"]
+    found = check_problems([corpus], SEQ, VOCAB)
+    assert found == [f"{corpus}.idx: truncated: {size} bytes, shorter than the 34-byte header"]
 
 
 def test_idx_with_appended_bytes(corpus):
     full = os.path.getsize(corpus + ".idx")
     with open(corpus + ".idx", "ab") as f:
         f.write(b"\x00" * 3)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([corpus], SEQ, VOCAB)
+    [line] = found
     assert line.startswith(f"{corpus}.idx: {full + 3} bytes, but its header ")
     assert f"needs {full} bytes" in line
 
@@ -177,33 +171,29 @@ def test_idx_with_appended_bytes(corpus):
 def test_document_index_not_ending_at_sequence_count(corpus):
     # Megatron asserts document_indices[-1] == sequence count, naming no file.
     patch_idx(corpus, HEADER_BYTES + 6 * 12 + 5 * 8, struct.pack("<q", 7))
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    assert problems(exc) == [f"{corpus}.idx: document index runs from sequence 0 to 7, "
+    found = check_problems([corpus], SEQ, VOCAB)
+    assert found == [f"{corpus}.idx: document index runs from sequence 0 to 7, "
                              f"expected 0 to the sequence count 6"]
 
 
 def test_decreasing_document_index(corpus):
     # Document starts are sequences [0, 1, 2, 4, 5, 6]; make document 3 start before document 2.
     patch_idx(corpus, HEADER_BYTES + 6 * 12 + 3 * 8, struct.pack("<q", 1))
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    assert problems(exc) == [f"{corpus}.idx: document index decreases at document 3 (2 -> 1)"]
+    found = check_problems([corpus], SEQ, VOCAB)
+    assert found == [f"{corpus}.idx: document index decreases at document 3 (2 -> 1)"]
 
 
 def test_negative_sequence_length(corpus):
     patch_idx(corpus, HEADER_BYTES + 2 * 4, struct.pack("<i", -150))
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    assert problems(exc) == [f"{corpus}.idx: sequence 2 has negative length -150"]
+    found = check_problems([corpus], SEQ, VOCAB)
+    assert found == [f"{corpus}.idx: sequence 2 has negative length -150"]
 
 
 def test_non_contiguous_sequence_pointers(corpus):
     # Sequence 1 starts after sequence 0's 300 int32 tokens: byte 1200. Claim 1204.
     patch_idx(corpus, HEADER_BYTES + 6 * 4 + 1 * 8, struct.pack("<q", 1204))
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([corpus], SEQ, VOCAB)
+    [line] = found
     assert line.startswith(f"{corpus}.idx: sequence 1 points to byte 1204, but the lengths before "
                            f"it end at byte 1200")
 
@@ -212,9 +202,8 @@ def test_non_contiguous_sequence_pointers(corpus):
 
 def test_bin_shorter_than_index(corpus):
     os.truncate(corpus + ".bin", 1700 * 4 - 28)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    assert problems(exc) == [
+    found = check_problems([corpus], SEQ, VOCAB)
+    assert found == [
         f"{corpus}.bin: 6772 bytes, 28 bytes shorter than its index says: 1700 tokens × 4 bytes "
         f"(int32) = 6800 bytes; last sequence ends at byte 6800 (from {corpus}.idx)"]
 
@@ -222,9 +211,8 @@ def test_bin_shorter_than_index(corpus):
 def test_bin_longer_than_index(corpus):
     with open(corpus + ".bin", "ab") as f:
         f.write(b"\x01" * 6)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([corpus], SEQ, VOCAB)
+    [line] = found
     assert line.startswith(f"{corpus}.bin: 6806 bytes, 6 bytes longer than its index says: ")
     assert "= 6800 bytes" in line
 
@@ -233,33 +221,29 @@ def test_bin_longer_than_index(corpus):
 
 def test_corpus_without_documents_is_empty(tmp_path):
     prefix = build(tmp_path / "none", [])
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([prefix], SEQ, VOCAB)
-    assert problems(exc) == [f"{prefix}.idx: empty corpus: 0 documents, 0 tokens"]
+    found = check_problems([prefix], SEQ, VOCAB)
+    assert found == [f"{prefix}.idx: empty corpus: 0 documents, 0 tokens"]
 
 
 def test_corpus_of_empty_documents_is_empty(tmp_path):
     prefix = build(tmp_path / "blank", [np.array([], dtype=np.int64)] * 2)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([prefix], SEQ, VOCAB)
-    assert problems(exc) == [f"{prefix}.idx: empty corpus: 2 documents, 0 tokens"]
+    found = check_problems([prefix], SEQ, VOCAB)
+    assert found == [f"{prefix}.idx: empty corpus: 2 documents, 0 tokens"]
 
 
 def test_seq_length_needs_one_more_token_than_it_is_long(tmp_path):
     prefix = build(tmp_path / "hundred", random_docs([60, 40], seed=4))
     assert check_corpus([prefix], 99, VOCAB)[0].tokens == 100  # 99 + 1 tokens: enough
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([prefix], 100, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([prefix], 100, VOCAB)
+    [line] = found
     assert line.startswith(f"{prefix}.idx: 100 tokens, but seq_length 100 needs at least 101 tokens")
 
 
 def test_seq_length_is_checked_per_prefix_of_a_blend(corpus, tmp_path):
     small = build(tmp_path / "small", random_docs([50], seed=5))
     # Together they hold 1,750 tokens, but each prefix becomes its own GPTDataset.
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus, small], 200, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([corpus, small], 200, VOCAB)
+    [line] = found
     assert line.startswith(f"{small}.idx: 50 tokens, but seq_length 200 needs at least 201")
 
 
@@ -269,10 +253,9 @@ def test_id_at_vocab_size_is_out_of_range_and_one_below_is_fine(corpus):
     put_token(corpus, 350, VOCAB - 1)
     check_corpus([corpus], SEQ, VOCAB)
     put_token(corpus, 350, VOCAB)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
+    found = check_problems([corpus], SEQ, VOCAB)
     # Position 350: document 1 (tokens 300..699).
-    assert problems(exc) == [
+    assert found == [
         f"{corpus}.bin: token id {VOCAB} at token position 350 (document 1) is outside the "
         f"vocabulary [0, vocab_size={VOCAB}); 1 of 1700 sampled tokens are out of range "
         f"(ids {VOCAB}..{VOCAB})"]
@@ -280,18 +263,16 @@ def test_id_at_vocab_size_is_out_of_range_and_one_below_is_fine(corpus):
 
 def test_negative_id(corpus):
     put_token(corpus, 1699, -3)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([corpus], SEQ, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([corpus], SEQ, VOCAB)
+    [line] = found
     assert line.startswith(f"{corpus}.bin: token id -3 at token position 1699 (document 4) ")
 
 
 def test_uint16_corpus_above_vocab(tmp_path):
     prefix = build(tmp_path / "u16", random_docs([500, 500], seed=6), dtype=np.uint16)
     put_token(prefix, 720, 65535, np.uint16)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([prefix], SEQ, VOCAB)
-    [line] = problems(exc)
+    found = check_problems([prefix], SEQ, VOCAB)
+    [line] = found
     assert line.startswith(f"{prefix}.bin: token id 65535 at token position 720 (document 1) ")
 
 
@@ -306,9 +287,8 @@ SAMPLE = 4096  # head and tail 1,536 tokens each, 8 interior windows of 128 toke
 
 def test_sample_catches_id_in_head(big):
     put_token(big, 1_200, 40_000, np.uint16)  # document 1, inside the 1,536-token head
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([big], SEQ, VOCAB, sample_tokens=SAMPLE)
-    [line] = problems(exc)
+    found = check_problems([big], SEQ, VOCAB, sample_tokens=SAMPLE)
+    [line] = found
     assert line.startswith(f"{big}.bin: token id 40000 at token position 1200 (document 1) ")
     assert f"1 of {SAMPLE} sampled tokens" in line
 
@@ -318,9 +298,8 @@ def test_sample_catches_id_in_interior_window_past_the_head(big):
     start, stop = ranges[4]  # interior window 4, deep inside the long document
     assert start > 1_536 and stop - start == 128
     put_token(big, start + 77, 50_000, np.uint16)
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([big], SEQ, VOCAB, sample_tokens=SAMPLE)
-    assert f"token id 50000 at token position {start + 77} (document 1)" in problems(exc)[0]
+    found = check_problems([big], SEQ, VOCAB, sample_tokens=SAMPLE)
+    assert f"token id 50000 at token position {start + 77} (document 1)" in found[0]
 
 
 def test_limitation_id_between_windows_is_not_found(big):
@@ -330,9 +309,8 @@ def test_limitation_id_between_windows_is_not_found(big):
     put_token(big, hidden, 50_000, np.uint16)
     assert check_corpus([big], SEQ, VOCAB, sample_tokens=SAMPLE)[0].tokens == 200_000
     # ... and found as soon as the sample covers the corpus.
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([big], SEQ, VOCAB, sample_tokens=200_000)
-    assert f"token position {hidden} (document 1)" in problems(exc)[0]
+    found = check_problems([big], SEQ, VOCAB, sample_tokens=200_000)
+    assert f"token position {hidden} (document 1)" in found[0]
 
 
 @pytest.mark.parametrize("tokens,sample", [(10, 100), (100, 100), (101, 100), (200_000, 4096),
@@ -366,10 +344,9 @@ def test_4gb_sparse_bin_is_sampled_not_read(tmp_path):
         f.truncate(2 * n * 2)
     put_token(prefix, 2 * n - 1, 1_234, np.uint16)  # the last token: in the tail window
     begin = time.perf_counter()
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([prefix], 4096, VOCAB)
+    found = check_problems([prefix], 4096, VOCAB)
     elapsed = time.perf_counter() - begin
-    assert problems(exc) == [
+    assert found == [
         f"{prefix}.bin: token id 1234 at token position {2 * n - 1} (document 1) is outside the "
         f"vocabulary [0, vocab_size={VOCAB}); 1 of 1000000 sampled tokens are out of range "
         f"(ids 1234..1234)"]
@@ -390,9 +367,8 @@ def test_all_problems_of_two_prefixes_in_one_error(tmp_path):
     broken = build(tmp_path / "broken", random_docs([300], seed=9))
     os.remove(broken + ".bin")
     patch_idx(broken, 9, struct.pack("<Q", 2))
-    with pytest.raises(CorpusError) as exc:
-        check_corpus([short, broken], SEQ, VOCAB)
-    lines = problems(exc)
+    found = check_problems([short, broken], SEQ, VOCAB)
+    lines = found
     assert len(lines) == 4, lines
     assert lines[0].startswith(f"{short}.idx: 50 tokens, but seq_length {SEQ} needs at least {SEQ + 1}")
     assert lines[1].startswith(f"{short}.bin: token id {VOCAB + 5} at token position 10 (document 0)")

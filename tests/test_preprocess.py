@@ -51,13 +51,8 @@ MULTILINGUAL = [
 
 
 @pytest.fixture(scope="module")
-def hf_dir(qwen2_tokenizer_dir):
-    return qwen2_tokenizer_dir
-
-
-@pytest.fixture(scope="module")
-def hf(hf_dir):
-    return load_tokenizer(hf_dir)
+def hf(qwen2_tokenizer_dir):
+    return load_tokenizer(qwen2_tokenizer_dir)
 
 
 def test_exported_tokenizer_gives_tiktokens_ids(hf):
@@ -85,20 +80,20 @@ def test_tokenizers_pickle_small_and_work_after(hf):
         assert copy.encode(MULTILINGUAL[3]) == tok.encode(MULTILINGUAL[3])
 
 
-def test_export_is_complete_and_idempotent(hf_dir):
-    tokenizer_json = json.loads((hf_dir / "tokenizer.json").read_text())
+def test_export_is_complete_and_idempotent(qwen2_tokenizer_dir):
+    tokenizer_json = json.loads((qwen2_tokenizer_dir / "tokenizer.json").read_text())
     merges = tokenizer_json["model"]["merges"]
     assert len(merges) == 151_643 - 256  # every multi-byte token has its merge
-    assert (hf_dir / "merges.txt").read_text().count("\n") == len(merges) + 1  # + the header
-    assert len(json.loads((hf_dir / "vocab.json").read_text())) == 151_643
-    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    assert (qwen2_tokenizer_dir / "merges.txt").read_text().count("\n") == len(merges) + 1  # + the header
+    assert len(json.loads((qwen2_tokenizer_dir / "vocab.json").read_text())) == 151_643
+    config = json.loads((qwen2_tokenizer_dir / "tokenizer_config.json").read_text())
     assert config["eos_token"] == config["pad_token"] == "<|endoftext|>"
 
-    stamp = (hf_dir / "tokenizer.json").stat().st_mtime_ns
+    stamp = (qwen2_tokenizer_dir / "tokenizer.json").stat().st_mtime_ns
     started = time.perf_counter()
-    assert export_qwen2_tokenizer(hf_dir) == hf_dir
+    assert export_qwen2_tokenizer(qwen2_tokenizer_dir) == qwen2_tokenizer_dir
     assert time.perf_counter() - started < 0.5
-    assert (hf_dir / "tokenizer.json").stat().st_mtime_ns == stamp
+    assert (qwen2_tokenizer_dir / "tokenizer.json").stat().st_mtime_ns == stamp
 
     jinja2 = pytest.importorskip("jinja2")
     template = jinja2.Environment().from_string(config["chat_template"])
@@ -111,7 +106,7 @@ def test_export_is_complete_and_idempotent(hf_dir):
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n你好<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_load_tokenizer_eod_and_errors(hf_dir, tmp_path):
+def test_load_tokenizer_eod_and_errors(qwen2_tokenizer_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "absent"))):
         load_tokenizer(tmp_path / "absent")
     (tmp_path / "empty").mkdir()
@@ -126,7 +121,7 @@ def test_load_tokenizer_eod_and_errors(hf_dir, tmp_path):
     # of the forms HF writes; without one it is <|endoftext|>.
     instruct = tmp_path / "instruct"
     instruct.mkdir()
-    shutil.copy(hf_dir / "tokenizer.json", instruct)
+    shutil.copy(qwen2_tokenizer_dir / "tokenizer.json", instruct)
     assert load_tokenizer(instruct).eod == QWEN2_EOD
     for eos in ("<|im_end|>", {"content": "<|im_end|>", "special": True}):
         (instruct / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
@@ -226,8 +221,8 @@ def test_strict_mode_and_corrupt_files_fail_naming_the_file(ray_cluster, hf, tmp
             resolve_inputs(bad)
 
 
-def test_demo_corpus_equals_the_stdlib_corpus(ray_cluster, hf_dir, tmp_path):
-    shutil.copytree(hf_dir, tmp_path / "demo" / "tokenizer")  # spares the export (tested above)
+def test_demo_corpus_equals_the_stdlib_corpus(ray_cluster, qwen2_tokenizer_dir, tmp_path):
+    shutil.copytree(qwen2_tokenizer_dir, tmp_path / "demo" / "tokenizer")  # spares the export (tested above)
     prefix = build_demo_corpus(tmp_path / "demo", max_bytes=300_000, workers=2)
     assert prefix == str(tmp_path / "demo" / "stdlib_text_document")
     assert len(list((tmp_path / "demo" / "raw").glob("*.jsonl"))) == 4
@@ -240,7 +235,7 @@ def test_demo_corpus_equals_the_stdlib_corpus(ray_cluster, hf_dir, tmp_path):
     assert os.stat(prefix + ".bin").st_mtime_ns == stamp  # built once
 
 
-def test_entrypoint(hf, hf_dir, tmp_path):
+def test_entrypoint(hf, qwen2_tokenizer_dir, tmp_path):
     d = _docs(6)
     _write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in d[:3]] + [{"other": 1}])
     _write_jsonl(tmp_path / "b.jsonl", [{"text": t} for t in d[3:]])
@@ -248,8 +243,8 @@ def test_entrypoint(hf, hf_dir, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray of its own
     base = [sys.executable, script, "--output-prefix", str(tmp_path / "out" / "corpus")]
     runs = {
-        "ok": base + ["--input", str(tmp_path / "*.jsonl"), "--tokenizer", str(hf_dir)],
-        "no_input": base + ["--input", str(tmp_path / "missing" / "x.jsonl"), "--tokenizer", str(hf_dir)],
+        "ok": base + ["--input", str(tmp_path / "*.jsonl"), "--tokenizer", str(qwen2_tokenizer_dir)],
+        "no_input": base + ["--input", str(tmp_path / "missing" / "x.jsonl"), "--tokenizer", str(qwen2_tokenizer_dir)],
         "no_tokenizer": base + ["--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path)],
     }
     # The three start together: most of their time is importing torch, Megatron and Ray.

@@ -56,13 +56,8 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def tok_dir(qwen2_tokenizer_dir):
-    return qwen2_tokenizer_dir
-
-
-@pytest.fixture(scope="module")
-def encoder(tok_dir):
-    return ChatEncoder(tok_dir)
+def encoder(qwen2_tokenizer_dir):
+    return ChatEncoder(qwen2_tokenizer_dir)
 
 
 def answers_of(record: dict) -> list[str]:
@@ -166,11 +161,11 @@ def test_answer_merging_with_the_template_is_a_counted_mismatch(encoder):
         sft_rows([bad, fine], encoder, seq_length=64, on_error="fail", source="mix")
 
 
-def test_templates_that_trim_or_rewrite_contents(tok_dir, tmp_path):
+def test_templates_that_trim_or_rewrite_contents(qwen2_tokenizer_dir, tmp_path):
     other = tmp_path / "other_template"
     other.mkdir()
-    shutil.copy(tok_dir / "tokenizer.json", other)
-    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    shutil.copy(qwen2_tokenizer_dir / "tokenizer.json", other)
+    config = json.loads((qwen2_tokenizer_dir / "tokenizer_config.json").read_text())
 
     def use(template: str) -> ChatEncoder:
         config["chat_template"] = template
@@ -301,7 +296,7 @@ def test_file_formats_give_the_same_rows(encoder, tmp_path):
     assert stats["examples"]["malformed_json"].startswith(f"{tmp_path / 'broken.json'}: whole file: invalid JSON")
 
 
-def test_empty_shard_set_is_an_error_naming_the_paths(tok_dir, tmp_path):
+def test_empty_shard_set_is_an_error_naming_the_paths(qwen2_tokenizer_dir, tmp_path):
     (tmp_path / "empty_dir").mkdir()
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "part-0.jsonl").write_text("")
@@ -312,10 +307,10 @@ def test_empty_shard_set_is_an_error_naming_the_paths(tok_dir, tmp_path):
     for path, why in cases.items():
         for build in (sft_rows_from_files, sft_dataset):  # sft_dataset checks before touching Ray
             with pytest.raises(PreprocessError) as info:
-                build([path], tok_dir, 64)
+                build([path], qwen2_tokenizer_dir, 64)
             assert path in str(info.value) and why in str(info.value), (build.__name__, str(info.value))
     with pytest.raises(PreprocessError, match="no input paths"):
-        sft_rows_from_files([], tok_dir, 64)
+        sft_rows_from_files([], qwen2_tokenizer_dir, 64)
 
 
 # --- padding and packing ------------------------------------------------------------------------
@@ -419,7 +414,7 @@ def _collect(ds) -> dict:
     return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
 
-def test_ray_dataset_equals_in_process(ray_cluster, tok_dir, encoder, tmp_path):
+def test_ray_dataset_equals_in_process(ray_cluster, qwen2_tokenizer_dir, encoder, tmp_path):
     data = tmp_path / "shards"
     data.mkdir()
     records = (ALPACA + CHAT) * 4 + [{"instruction": "too long " * 300, "output": "x"}]
@@ -429,7 +424,7 @@ def test_ray_dataset_equals_in_process(ray_cluster, tok_dir, encoder, tmp_path):
     (data / "part-00001.json").write_text(json.dumps(records[11:], ensure_ascii=False), encoding="utf-8")
 
     kwargs = dict(seq_length=160, max_padding_length=128, packing=True, window=4)
-    ds, stats_fn = sft_dataset([data], tok_dir, workers=2, **kwargs)
+    ds, stats_fn = sft_dataset([data], qwen2_tokenizer_dir, workers=2, **kwargs)
     got = _collect(ds)
     local, local_stats = sft_rows_from_files([data], encoder, **kwargs)
     assert set(got) == set(local)
@@ -445,7 +440,7 @@ def test_ray_dataset_equals_in_process(ray_cluster, tok_dir, encoder, tmp_path):
     # (here without packing: one padded row per sample).
     single = tmp_path / "single.jsonl"
     write_jsonl(single, records)
-    ds, stats_fn = sft_dataset([single], tok_dir, seq_length=160, max_padding_length=128, window=8)
+    ds, stats_fn = sft_dataset([single], qwen2_tokenizer_dir, seq_length=160, max_padding_length=128, window=8)
     direct, direct_stats = sft_rows(records, encoder, seq_length=160, max_padding_length=128, window=8)
     got = _collect(ds)
     assert set(got) == set(direct) == {"tokens", "labels", "loss_mask", "position_ids"}
@@ -454,7 +449,7 @@ def test_ray_dataset_equals_in_process(ray_cluster, tok_dir, encoder, tmp_path):
     assert stats_fn()["rows"] == direct_stats["rows"] == len(records) - 1
 
     # on_error="fail": the first bad line stops the stream, naming file and line.
-    ds, _ = sft_dataset([data], tok_dir, seq_length=160, on_error="fail", workers=2)
+    ds, _ = sft_dataset([data], qwen2_tokenizer_dir, seq_length=160, on_error="fail", workers=2)
     with pytest.raises(Exception) as info:
         _collect(ds)
     err = _preprocess_error_in(info.value)
