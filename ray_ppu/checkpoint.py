@@ -456,6 +456,28 @@ def _new_dir(root: Path, iteration: int) -> Path:
     return root / chosen[0]
 
 
+class CheckpointSaveError(CheckpointError):
+    """A save failed on some rank (full disk, storage gone): raised on every rank alike, after
+    the partial directory is removed; training can go on and try again at the next save."""
+
+
+def _agree_saved(path: Path, iteration: int, error: Optional[str]) -> None:
+    """Every rank learns whether every rank wrote its part (torch's checkpoint writer already
+    gathers write errors, but a rank can also fail outside it); on any failure rank 0 removes
+    the partial directory (freeing what it took on a full disk) and all ranks raise alike."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = {rank: e for rank, e in enumerate(errors) if e is not None}
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    first = min(failed)
+    raise CheckpointSaveError(
+        f"checkpoint at iteration {iteration} not saved: {len(failed)} of {len(errors)} ranks "
+        f"failed to write {path} (rank {first}: {failed[first][:300]})")
+
+
 def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, plan,
          cfg: RunConfig, with_cuda_rng: bool = False) -> tuple[Path, Meta]:
     """Write a checkpoint after ``iteration`` iterations; collective. Returns its directory.
@@ -463,8 +485,10 @@ def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, pl
     1. Rank 0 creates a fresh ``iter_…`` directory under ``root``; every rank learns its name.
     2. Every rank writes its shards of model, optimizer and RNG states (torch_dist format;
        replicated tensors spread over the DP ranks); rank 0 writes the common part.
-    3. Barrier; then rank 0 writes ``ray_ppu_meta.json``, the mark of a complete checkpoint.
-    4. Barrier: when this returns on any rank, the checkpoint is complete.
+    3. All ranks agree it worked; if not, the partial directory goes and every rank raises
+       :class:`CheckpointSaveError` (nothing was marked complete: resumes never see it).
+    4. Rank 0 writes ``ray_ppu_meta.json``, the mark of a complete checkpoint; barrier: when
+       this returns on any rank, the checkpoint is complete.
     """
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -482,8 +506,12 @@ def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, pl
         get_default_save_sharded_strategy("torch_dist"),
         parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
-    dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
-    dist.barrier()
+    error = None
+    try:
+        dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
+    except Exception as err:  # noqa: BLE001 - a full disk, a lost mount: any write error
+        error = f"{type(err).__name__}: {err}"
+    _agree_saved(path, iteration, error)
     meta = Meta(
         iteration=iteration,
         consumed_samples=consumed_samples(iteration, plan.global_batch_size),
@@ -497,9 +525,13 @@ def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, pl
         optimizer_format=OPTIMIZER_FORMAT,
         saved_at=time.time(),
     )
+    error = None
     if dist.get_rank() == 0:
-        _write_atomic(path / META_FILE, json.dumps(dataclasses.asdict(meta), indent=2))
-    dist.barrier()
+        try:
+            _write_atomic(path / META_FILE, json.dumps(dataclasses.asdict(meta), indent=2))
+        except OSError as err:
+            error = f"{type(err).__name__}: {err}"
+    _agree_saved(path, iteration, error)  # also the barrier: complete on every rank now
     return path, meta
 
 

@@ -24,7 +24,7 @@ import torch
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import checkpoint, devices
+from ray_ppu import checkpoint, devices, recovery
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, sft_store
@@ -169,7 +169,21 @@ def _train_worker(payload: dict) -> dict:
     # TensorBoard; the final metrics come back as the run's return value. Checkpoints are
     # reported (save points only), so Ray Train knows them and deletes the oldest.
     return worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
-                      resume, on_checkpoint=_report_checkpoint)
+                      resume, on_checkpoint=_report_checkpoint,
+                      failures=recovery.failures(checkpoint.save_root(cfg), payload["token"]))
+
+
+class FailureRecorder(ray.train.UserCallback):
+    """Runs in the Ray Train controller: writes down each worker-group failure (cause, ranks,
+    time) for the next group's rank 0 to report as a restart (ray_ppu.recovery)."""
+
+    def __init__(self, root: Path, token: str) -> None:
+        self.root, self.token = root, token
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        failure = recovery.record_failure(self.root, self.token, worker_exceptions)
+        log.warning("worker group failed (%s); Ray Train restarts it if "
+                    "cluster.max_failures allows", failure.cause)
 
 
 def _report_checkpoint(path: Path, metrics: dict) -> None:
@@ -234,6 +248,7 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
             storage_path=str(root.parent),  # checkpoints are written straight into <this>/<name>
             failure_config=FailureConfig(max_failures=c.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
+            callbacks=[FailureRecorder(root, token)],
         ),
         datasets=datasets,
         dataset_config=IdxmapDataConfig(

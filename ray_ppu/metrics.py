@@ -27,6 +27,21 @@ def validation_line(m: dict) -> str:
             f"ppl {m['valid_ppl']:.2f} | {m['valid_samples']} samples")
 
 
+def event_line(m: dict) -> str:
+    """Log line of an event row (``event``: checkpoint, checkpoint_failed, restart)."""
+    from ray_ppu.recovery import restart_line
+
+    if m["event"] == "restart":
+        return restart_line(m)
+    if m["event"] == "checkpoint":
+        return (f"checkpoint at iteration {m['iteration']} saved to {m['path']} in "
+                f"{m['checkpoint_time_s']:.1f} s")
+    if m["event"] == "checkpoint_failed":
+        return (f"{m['error']} ({m['checkpoint_failures']} failed save(s) so far); training "
+                f"goes on, the run resumes from the previous complete checkpoint if it fails")
+    return json.dumps(m)
+
+
 class MetricsWriter:
     """Appends each logged iteration to ``metrics.jsonl`` and TensorBoard; one writer per run."""
 
@@ -41,18 +56,62 @@ class MetricsWriter:
             self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
 
     def write(self, metrics: dict) -> None:
-        """One row: a training window (``lm_loss``, ...) or a validation pass (``valid_*``)."""
+        """One row: a training window (``lm_loss``, ...), a validation pass (``valid_*``) or an
+        event (``event``: checkpoint, checkpoint_failed, restart)."""
         self._jsonl.write(json.dumps({**metrics, "time": time.time()}) + "\n")
+        event = metrics.get("event")
         is_valid = "valid_lm_loss" in metrics
         if self._tb is not None:
             step = metrics["iteration"]
             for key, value in metrics.items():
                 if key not in ("iteration", "train_iters") and isinstance(value, (int, float)):
-                    name = f"valid/{key.removeprefix('valid_')}" if is_valid else f"train/{key}"
-                    self._tb.add_scalar(name, value, step)
-        log.info(validation_line(metrics) if is_valid else progress_line(metrics))
+                    group = event or ("valid" if is_valid else "train")
+                    self._tb.add_scalar(f"{group}/{key.removeprefix('valid_')}", value, step)
+        if event:
+            line = event_line(metrics)
+            (log.warning if event != "checkpoint" else log.info)(line)
+        else:
+            log.info(validation_line(metrics) if is_valid else progress_line(metrics))
 
     def close(self) -> None:
         self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+class SampleLog:
+    """``output.sample_log``: which samples each iteration trained on, one file per data-reading
+    rank (``<dir>/samples/rank_NNNNN.jsonl``, a line per iteration: iteration, DP rank, ids).
+
+    An audit of the data a run saw (which documents were in the batch before a loss spike);
+    after a restart the iterations trained again are logged again, and the last line of an
+    iteration is the one that counts.
+    """
+
+    def __init__(self, output_dir: str | Path, world_rank: int, dp_rank: int) -> None:
+        path = Path(output_dir) / "samples" / f"rank_{world_rank:05d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.dp_rank = dp_rank
+        self._file = open(path, "a", buffering=1)
+
+    def write(self, iteration: int, sample_ids: list) -> None:
+        self._file.write(json.dumps({"iteration": iteration, "dp_rank": self.dp_rank,
+                                     "ids": sample_ids}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_sample_log(output_dir: str | Path) -> dict[int, list]:
+    """{iteration: sorted ids of the whole global batch} from every rank's sample log; the last
+    line per (iteration, DP rank) counts (a restart re-trains, and re-logs, some iterations)."""
+    last: dict = {}
+    for path in sorted((Path(output_dir) / "samples").glob("rank_*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                last[(row["iteration"], row["dp_rank"])] = row["ids"]
+    batches: dict = {}
+    for (iteration, _), ids in last.items():
+        batches.setdefault(iteration, []).extend(ids)
+    return {i: sorted(ids) for i, ids in sorted(batches.items())}

@@ -29,7 +29,7 @@ def _as_tensors(batch: dict, device: torch.device) -> dict:
     # torch.tensor copies (Ray Data hands out read-only arrays from its object store) and
     # widens the int32 ids to the int64 Megatron's embedding and loss expect.
     return {k: torch.tensor(v, dtype=torch.float32 if k == "loss_mask" else torch.int64)
-            .to(device, non_blocking=True) for k, v in batch.items()}
+            .to(device, non_blocking=True) for k, v in batch.items() if k != "sample_id"}
 
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
@@ -96,10 +96,12 @@ def forward_step(batches, model, device: torch.device, packed: bool = False):
 
 
 class _TimedIterator:
-    """Wraps a microbatch iterator and adds up the time spent waiting in ``next``."""
+    """Wraps a microbatch iterator: adds up the time spent waiting in ``next`` and keeps the
+    sample ids handed out since the last :meth:`take_ids`."""
 
     def __init__(self, batches: Iterator[Microbatch]) -> None:
         self.batches, self.waited_s = batches, 0.0
+        self.ids: list = []
 
     def __iter__(self):
         return self
@@ -107,9 +109,16 @@ class _TimedIterator:
     def __next__(self) -> Microbatch:
         start = time.perf_counter()
         try:
-            return next(self.batches)
+            batch = next(self.batches)
         finally:
             self.waited_s += time.perf_counter() - start
+        if "sample_id" in batch:
+            self.ids.extend(int(i) for i in batch["sample_id"])
+        return batch
+
+    def take_ids(self) -> list:
+        ids, self.ids = self.ids, []
+        return ids
 
 
 @dataclass
@@ -190,6 +199,7 @@ def train(
     valid_batches: Optional[Iterator[Microbatch]] = None,
     save_interval: Optional[int] = None,
     on_save: Optional[Callable[[int, dict], None]] = None,
+    on_iteration: Optional[Callable[[int, Optional[list]], None]] = None,
 ) -> dict:
     """Run iterations ``start_iteration .. plan.train_iters``; returns the last logged metrics.
 
@@ -201,7 +211,9 @@ def train(
     iterations and at the end (when ``plan.eval_iters`` > 0) a validation pass is too. Then,
     every ``save_interval`` iterations and at the end, ``on_save(iteration, metrics)`` runs on
     every rank (a collective checkpoint save: the state then is exactly "``iteration``
-    iterations done", validation included).
+    iterations done", validation included). ``on_iteration(iteration, sample_ids)`` runs after
+    every optimizer step with the ids of the samples this rank read for it (None on ranks that
+    read no data).
     """
     config = get_attr_wrapped_model(model[0], "config")
     config.grad_scale_func = optimizer.scale_loss
@@ -234,6 +246,8 @@ def train(
         window.iterations += 1
 
         done = iteration + 1
+        if on_iteration is not None:
+            on_iteration(done, timed.take_ids() if timed is not None else None)
         if done % log_interval == 0 or done == plan.train_iters:
             lm_loss = _mean_loss(window.loss_sum, device)  # syncs: the window's work is finished
             now = time.perf_counter()

@@ -9,13 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from ray_ppu import checkpoint, devices, parallel
+from ray_ppu import checkpoint, devices, parallel, recovery
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.metrics import MetricsWriter
+from ray_ppu.metrics import MetricsWriter, SampleLog
 from ray_ppu.plan import Plan
 
 log = logging.getLogger("ray_ppu")
@@ -31,31 +31,53 @@ def run(
     start_iteration: int = 0,
     resume: Optional[checkpoint.ResumePoint] = None,
     on_checkpoint: Optional[Callable[[Path, dict], None]] = None,
+    failures: Sequence[recovery.Failure] = (),
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
     ``start_iteration`` is the first iteration ``batches`` delivers; with ``resume`` the loaded
     checkpoint must be at that iteration. Checkpoints go to ``checkpoint.save_root(cfg)``;
     ``on_checkpoint(path, metrics)`` runs on every rank once one is complete (Ray Train reports
-    it); without it rank 0 keeps the last ``checkpoint.keep_last`` itself (torchrun).
+    it); without it rank 0 keeps the last ``checkpoint.keep_last`` itself (torchrun). A save
+    that fails (full disk) is logged and counted, and training goes on. ``failures``: this
+    launch's earlier worker-group failures (this group is a restart when there are any).
 
     1. Bind the device (PPU id, or the CPU shim) for this thread.
     2. Megatron parallel groups and seeds on the existing process group.
     3. GPTModel chunks in Megatron DDP; Megatron optimizer and LR schedule.
     4. Load ``resume`` (weights, optimizer, schedule, RNG); check it starts where the data does.
     5. The loop, saving every ``checkpoint.save_interval`` iterations and at the end; rank 0
-       writes metrics.jsonl, TensorBoard and the progress line.
+       writes metrics.jsonl (training, validation, checkpoint and restart rows), TensorBoard
+       and the progress line; data-reading ranks write their sample log when asked.
     6. Tear down the parallel groups (the process group belongs to the caller).
     """
     from ray_ppu.model import build_model
     from ray_ppu.optim import build_optimizer
     from ray_ppu.train_loop import train
 
-    writer = MetricsWriter(cfg.output.dir, cfg.output.tensorboard) if dist.get_rank() == 0 else None
+    rank0 = dist.get_rank() == 0
+    writer = MetricsWriter(cfg.output.dir, cfg.output.tensorboard) if rank0 else None
+    samples = None
+    if cfg.output.sample_log and batches is not None:
+        samples = SampleLog(cfg.output.dir, dist.get_rank(),
+                            plan.dims.coordinates(dist.get_rank())["dp"])
+    counts = {"restarts": len(failures), "checkpoint_failures": 0}
+    restart_pending = bool(failures)
 
     def on_log(metrics: dict) -> None:
         if writer is not None:
-            writer.write(metrics)
+            writer.write({**metrics, "restarts": counts["restarts"]}
+                         if "lm_loss" in metrics else metrics)
+
+    def on_iteration(done: int, sample_ids: Optional[list]) -> None:
+        nonlocal restart_pending
+        if samples is not None and sample_ids is not None:
+            samples.write(done, sample_ids)
+        if restart_pending and writer is not None:  # the restarted group's first iteration
+            writer.write(recovery.restart_row(
+                list(failures), start_iteration, Path(resume.path).name if resume else None,
+                writer.dir / "metrics.jsonl", time.time()))
+        restart_pending = False
 
     with devices.bound(backend, device_id):
         parallel.initialize(plan, cfg.training.seed)
@@ -69,7 +91,7 @@ def run(
                     raise checkpoint.CheckpointError(
                         f"loaded {resume.path} at iteration {loaded}, but the data stream "
                         f"starts at iteration {start_iteration}")
-                if dist.get_rank() == 0:
+                if rank0:
                     log.info("loaded %s%s in %.1f s: training continues at iteration %d",
                              resume.path, " (weights only)" if resume.weights_only else "",
                              time.perf_counter() - start, loaded)
@@ -78,20 +100,28 @@ def run(
 
             def on_save(iteration: int, metrics: dict) -> None:
                 start = time.perf_counter()
-                path, _ = checkpoint.save(root, iteration, model, optimizer, scheduler, plan, cfg,
-                                          with_cuda_rng=backend == "ppu")
-                if dist.get_rank() == 0:
-                    log.info("checkpoint at iteration %d saved to %s in %.1f s", iteration, path,
-                             time.perf_counter() - start)
+                try:
+                    path, _ = checkpoint.save(root, iteration, model, optimizer, scheduler, plan,
+                                              cfg, with_cuda_rng=backend == "ppu")
+                except checkpoint.CheckpointSaveError as err:  # same on every rank
+                    counts["checkpoint_failures"] += 1
+                    on_log({"event": "checkpoint_failed", "iteration": iteration,
+                            "error": str(err), **counts})
+                    return
+                on_log({"event": "checkpoint", "iteration": iteration, "checkpoint": path.name,
+                        "path": str(path), "checkpoint_time_s": time.perf_counter() - start})
                 if on_checkpoint is not None:
                     on_checkpoint(path, metrics)
-                elif dist.get_rank() == 0:
+                elif rank0:
                     checkpoint.prune(root, cfg.checkpoint.keep_last)
 
-            return train(plan, model, optimizer, scheduler, batches, devices.torch_device(backend),
-                         cfg.training.log_interval, on_log, start_iteration, valid_batches,
-                         cfg.checkpoint.save_interval, on_save)
+            final = train(plan, model, optimizer, scheduler, batches,
+                          devices.torch_device(backend), cfg.training.log_interval, on_log,
+                          start_iteration, valid_batches, cfg.checkpoint.save_interval, on_save,
+                          on_iteration)
+            return {**final, **counts}
         finally:
             parallel.destroy()
-            if writer is not None:
-                writer.close()
+            for out in (writer, samples):
+                if out is not None:
+                    out.close()

@@ -38,6 +38,7 @@ import pytest
 from ray_ppu import checkpoint
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.launcher import launch
+from ray_ppu.metrics import read_sample_log
 from ray_ppu.plan import build_plan
 from ray_ppu.run import absolute_paths, prepare_output
 
@@ -133,7 +134,7 @@ def test_bad_checkpoint_settings(tmp_path, override, message):
 def _overrides(corpus, out, *extra):
     from test_training import overrides  # the same run settings as the training tests
 
-    return overrides(corpus, out, *SAVE, *extra)
+    return overrides(corpus, out, *SAVE, "output.sample_log=true", *extra)
 
 
 def _config(corpus, out, *extra):
@@ -273,6 +274,35 @@ def test_interrupted_run_resumes_exactly(uninterrupted, interrupted):
 
 
 @pytest.mark.slow
+def test_interrupted_run_trains_on_exactly_the_uninterrupted_samples(uninterrupted, interrupted):
+    # By id, from the ranks' sample logs (the last record of an iteration a restart re-trained
+    # counts): iteration i's global batch is samples [(i-1)·4, i·4) of the run's order, both runs.
+    expected = {i: list(range((i - 1) * 4, i * 4)) for i in range(1, ITERS + 1)}
+    assert read_sample_log(uninterrupted["cfg"].output.dir) == expected
+    assert read_sample_log(interrupted["cfg"].output.dir) == expected
+
+
+@pytest.mark.slow
+def test_restart_is_reported(uninterrupted, interrupted):
+    restarts = [r for r in interrupted["rows"] if r.get("event") == "restart"]
+    assert len(restarts) == 1, restarts
+    row = restarts[0]
+    assert (row["restarts"], row["iteration"], row["resumed_from"]) == (1, 4, "iter_0000004")
+    # The killed worker's death, as Ray Train saw it, names its rank and the kind of failure.
+    assert row["cause"].startswith(f"rank {row['failed_ranks'][0]}: "), row
+    # Iterations logged after the checkpoint at 4 and before the failure were trained again.
+    before = [r["iteration"] for r in interrupted["rows"]
+              if "lm_loss" in r and r["time"] <= row["time"] and r["iteration"] > 4]
+    assert row["iterations_lost"] == (max(before) - 4 if before else 0)
+    assert 0 < row["recovery_s"] < 300
+    # Every training row after it counts the restart; the run's result too; none before.
+    later = [r["restarts"] for r in interrupted["rows"] if "lm_loss" in r and r["time"] > row["time"]]
+    assert later and set(later) == {1}
+    assert interrupted["final"]["restarts"] == 1 and uninterrupted["final"]["restarts"] == 0
+    assert not [r for r in uninterrupted["rows"] if r.get("event") == "restart"]
+
+
+@pytest.mark.slow
 def test_checkpoints_are_complete_and_kept(uninterrupted):
     root = checkpoint.save_root(uninterrupted["cfg"])
     found = checkpoint.complete_checkpoints(root)
@@ -280,6 +310,11 @@ def test_checkpoints_are_complete_and_kept(uninterrupted):
     meta = found[-1][1]
     assert (meta.consumed_samples, meta.data_parallel_size, meta.world_size) == (32, 2, 2)
     assert meta.optimizer_format == "dp_reshardable"
+    saves = [r for r in uninterrupted["rows"] if r.get("event") == "checkpoint"]
+    assert [(r["iteration"], r["checkpoint"]) for r in saves] == [(4, "iter_0000004"),
+                                                                  (8, "iter_0000008")]
+    assert all(r["checkpoint_time_s"] > 0 for r in saves)
+    assert uninterrupted["final"]["checkpoint_failures"] == 0
     # Ray Train registered them where they are (no copy), with the metrics of that iteration.
     import ray.train
 

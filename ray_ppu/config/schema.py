@@ -182,6 +182,10 @@ class OutputConfig:
     """Run name shown by Ray Train (default: the output directory's name)."""
     tensorboard: bool = True
     """Write TensorBoard event files under <dir>/tensorboard."""
+    sample_log: bool = False
+    """Record the sample ids every iteration trained on, per data-reading rank, in
+    <dir>/samples/rank_NNNNN.jsonl (an audit of the data the run saw; restarts re-log the
+    iterations they train again)."""
 
 
 @dataclass(frozen=True)

@@ -250,7 +250,7 @@ def prepare(spec: SampleSpec) -> dict[str, int]:
 def read(spec: SampleSpec, sample_ids: np.ndarray, split: str = "train") -> dict[str, np.ndarray]:
     """Samples ``sample_ids`` of ``split`` as arrays [n, seq_length]: token ids, labels and
     positions int32 (half the bytes of int64 through Ray's object store; the training side
-    widens them), loss mask float32."""
+    widens them), loss mask float32; and ``sample_id`` [n], the ids themselves."""
     ds = dataset(spec, split)
     n = len(sample_ids)
     out = {key: np.empty((n, spec.seq_length), np.float32 if key == "loss_mask" else np.int32)
@@ -259,6 +259,7 @@ def read(spec: SampleSpec, sample_ids: np.ndarray, split: str = "train") -> dict
         sample = ds[int(i)]
         for key in SAMPLE_KEYS:
             out[key][row] = sample[key].numpy()
+    out["sample_id"] = np.asarray(sample_ids, dtype=np.int64)  # for output.sample_log
     return out
 
 

@@ -157,5 +157,7 @@ def read(spec: SFTSpec, sample_ids: np.ndarray, split: str = "train") -> dict[st
     """Rows ``sample_ids`` of ``split`` (cycling: id modulo the row count), every column."""
     columns = dataset(spec, split)
     n = len(next(iter(columns.values())))
-    rows = np.asarray(sample_ids, dtype=np.int64) % n
-    return {key: np.array(col[rows]) for key, col in columns.items()}
+    ids = np.asarray(sample_ids, dtype=np.int64)
+    out = {key: np.array(col[ids % n]) for key, col in columns.items()}
+    out["sample_id"] = ids  # the run's sample number (for output.sample_log), not the row
+    return out
