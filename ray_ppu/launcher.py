@@ -306,7 +306,12 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             raise KeyboardInterrupt from None
         if result.error is not None:
             raise result.error
-        return result.return_value or {}
+        final = result.return_value or {}
+        if sft:  # the end-of-run account of the records: read, used, dropped and why
+            final["data"] = sft_store.summaries(spec)
+            for split in final["data"].values():
+                log.info("%s", split["line"])
+        return final
     finally:
         signal.signal(signal.SIGTERM, previous)
         if started:

@@ -128,12 +128,7 @@ def prepare(spec: SFTSpec) -> dict[str, int]:
         start = time.perf_counter()
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else _write_split(spec, split)
         s = meta["summary"]
-        log.info("SFT %s: %d records read, %d used, %d dropped %s, %d truncated -> %d rows of %d "
-                 "tokens, packing efficiency %.1f %% (%s, %.1f s)", split, s["records_read"],
-                 s["samples_used"], s["dropped_total"],
-                 {k: v for k, v in s["dropped"].items() if v}, s["truncated"], meta["rows"],
-                 spec.seq_length if spec.packing else spec.max_padding_length,
-                 100 * s["packing_efficiency"], spec.split_dir(split),
+        log.info("%s (%s, %.1f s)", summary_line(spec, split, meta), spec.split_dir(split),
                  time.perf_counter() - start)
         if meta["rows"] == 0:
             raise ValueError(f"SFT {split} data {list(spec.paths(split))} gave no usable "
@@ -141,6 +136,28 @@ def prepare(spec: SFTSpec) -> dict[str, int]:
                              f"{ {k: v for k, v in s['dropped'].items() if v} })")
         rows[split] = meta["rows"]
     return rows
+
+
+def summary_line(spec: SFTSpec, split: str, meta: dict) -> str:
+    """The record accounting of one split: read, used, dropped by reason, truncated, rows."""
+    s = meta["summary"]
+    return (f"SFT {split}: {s['records_read']} records read, {s['samples_used']} used, "
+            f"{s['dropped_total']} dropped {({k: v for k, v in s['dropped'].items() if v})}, "
+            f"{s['truncated']} truncated -> {meta['rows']} rows of "
+            f"{spec.seq_length if spec.packing else spec.max_padding_length} tokens, packing "
+            f"efficiency {100 * s['packing_efficiency']:.1f} %")
+
+
+def summaries(spec: SFTSpec) -> dict[str, dict]:
+    """{split: record accounting} of the prepared splits (the end-of-run data summary)."""
+    found = {}
+    for split in SPLITS:
+        meta_path = spec.split_dir(split) / META
+        if spec.samples(split) and meta_path.is_file():
+            meta = json.loads(meta_path.read_text())
+            found[split] = {**meta["summary"], "rows": meta["rows"],
+                            "line": summary_line(spec, split, meta)}
+    return found
 
 
 @functools.lru_cache(maxsize=8)
