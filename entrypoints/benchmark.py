@@ -4,6 +4,7 @@
     python entrypoints/benchmark.py data [--tokens 1e9] [--seq-length 4096] [--rounds 3]
     python entrypoints/benchmark.py sft [--records 60000] [--seq-length 2048] [--workers 1 2]
     python entrypoints/benchmark.py recovery [--dir DIR] [--reference] [--json FILE]
+    python entrypoints/benchmark.py elastic [--dir DIR] [--reference] [--json FILE]
 
 ``overhead``: the same tiny training run under Ray Train (embedded local Ray, Ray Data stream)
 and under plain torchrun (in-process reads), alternating so both see the same machine noise.
@@ -466,6 +467,150 @@ def _recovery_child(args) -> None:
     Path(args.child_json).write_text(json.dumps(result, default=str))
 
 
+# ---------------------------------------------------------------------------------------------
+# elastic: shrink and grow on a simulated multi-node cluster
+# ---------------------------------------------------------------------------------------------
+
+ELASTIC_ITERS = 12
+
+
+def _wait_for(condition, stop: threading.Event, poll: float = 0.05):
+    """Poll ``condition()`` until it returns something truthy (returned) or ``stop`` is set."""
+    while not stop.is_set():
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
+    return None
+
+
+def _elastic_child(args) -> None:
+    """The elastic scenario, in its own process (its own Ray: a Cluster of simulated nodes).
+
+    1. A CPU-only head and three one-PPU nodes. 2. ``--reference``: the run on a fixed group of
+    2 workers (TP 1 × DP 2), uninterrupted. 3. The elastic run, num_workers (2, 4) at TP 2,
+    launched from a thread so this (main) thread can add and remove nodes: it starts on the 3
+    workers that fit (TP 2 × DP 1, one spare); once its checkpoint at 2 is complete a fourth
+    node joins and Ray Train grows the group to 4 (TP 2 × DP 2); after that group's first
+    checkpoint a node hosting a worker is removed, and the run ends on 3 again.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from ray_ppu import checkpoint
+    from ray_ppu.config.loader import load
+    from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES, launch
+    from ray_ppu.plan import build_plan
+    from ray_ppu.run import absolute_paths, prepare_output
+
+    os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
+    work = Path(args.dir).resolve()
+    node_args = {"num_cpus": 1, "resources": {"PPU": 1}}
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8})
+    ppu_nodes = [cluster.add_node(**node_args) for _ in range(3)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=True)
+    result: dict = {}
+
+    def config(out: Path, *extra: str):
+        cfg = absolute_paths(load(None, recovery_overrides(
+            args.corpus, out, f"training.train_iters={ELASTIC_ITERS}", "output.sample_log=true",
+            *extra)))
+        plan = build_plan(cfg)
+        prepare_output(cfg, plan)
+        return cfg, plan
+
+    try:
+        if args.reference:
+            cfg, plan = config(work / "reference", "cluster.num_workers=2")
+            result["reference_final"] = launch(cfg, plan)
+            result["reference_dir"] = str(cfg.output.dir)
+
+        out = work / "elastic"
+        cfg, plan = config(out, "cluster.num_workers=4", "cluster.min_workers=2",
+                           "parallel.tensor_model_parallel_size=2",
+                           "cluster.elastic_resize_interval_s=2", "cluster.max_failures=3",
+                           "cluster.group_start_timeout_s=15")
+        root = checkpoint.save_root(cfg)
+        events: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                result["final"] = launch(cfg, plan)
+            except BaseException as err:  # reported, and the scenario below stops waiting
+                result["error"] = repr(err)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, daemon=True)
+        t0 = time.time()
+        thread.start()
+        try:
+            # grow: a fourth node once the 3-worker group's checkpoint at 2 is complete
+            if _wait_for(lambda: (root / "iter_0000002" / checkpoint.META_FILE).exists(), done):
+                ppu_nodes.append(cluster.add_node(**node_args))
+                events["added"] = time.time()
+                print(f"ELASTIC node added at {events['added']:.3f}", flush=True)
+
+                def grown_and_saved():
+                    rows = _rows(out)
+                    grown = [r["time"] for r in rows if r.get("world_size") == 4]
+                    return grown and any(r.get("event") == "checkpoint" and r["time"] > grown[0]
+                                         for r in rows)
+
+                # shrink: a node hosting a worker goes once the 4-worker group has saved
+                if _wait_for(grown_and_saved, done):
+                    victim = _node_of_a_train_worker(ppu_nodes)
+                    cluster.remove_node(victim, allow_graceful=False)
+                    events["removed"] = time.time()
+                    print(f"ELASTIC node {victim.node_id[:8]} removed at {events['removed']:.3f}",
+                          flush=True)
+            done.wait()
+        finally:
+            thread.join(timeout=60)
+        result.update(wall_s=time.time() - t0, events=events, dir=str(out))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    Path(args.child_json).write_text(json.dumps(result, default=str))
+
+
+def elastic(args) -> dict:
+    """Run the elastic scenario in a child process; print each group's shape and step time,
+    and how long growing and shrinking took (event → first iteration of the new group)."""
+    work = Path(args.dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if args.corpus is None:
+        args.corpus = _default_corpus(work)
+    res, _ = _run_scenario("elastic", args, ["--reference"] if args.reference else [])
+    if "error" in res:
+        raise SystemExit(f"the elastic run failed: {res['error']}")
+    rows = [r for r in _rows(Path(res["dir"])) if "lm_loss" in r]
+    phases: list[list[dict]] = []
+    for r in rows:  # consecutive rows of one group shape
+        if not phases or (phases[-1][-1]["world_size"], phases[-1][-1]["iteration"]) != (
+                r["world_size"], r["iteration"] - 1):
+            phases.append([])
+        phases[-1].append(r)
+    print(f"elastic run: {len(rows)} iteration rows, final iteration {res['final']['iteration']}")
+    for phase in phases:
+        steps = [r["step_time_s"] for r in phase[1:]] or [phase[0]["step_time_s"]]
+        print(f"  iterations {phase[0]['iteration']:>2}-{phase[-1]['iteration']:<2} world "
+              f"{phase[0]['world_size']} (DP {phase[0]['data_parallel_size']}): median step "
+              f"{statistics.median(steps) * 1000:.0f} ms")
+    for name, key, shape in (("grow", "added", 4), ("shrink", "removed", 2)):
+        t = res["events"].get(key)
+        first = next((r for r in rows if t and r["time"] > t and r["world_size"] == shape), None)
+        if first:
+            res[f"{name}_s"] = first["time"] - t
+            print(f"  {name}: node {key} → first iteration of the world-{shape} group "
+                  f"{res[name + '_s']:.1f} s (iteration {first['iteration']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
+    return res
+
+
 _ASCTIME = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 _LOADED = re.compile(_ASCTIME + r" loaded (\S+) in ([\d.]+) s: training continues at iteration (\d+)")
 _SAVED = re.compile(_ASCTIME + r" checkpoint at iteration (\d+) saved to (\S+) in ([\d.]+) s")
@@ -516,31 +661,31 @@ def raw_disk_speed(directory: Path, size: int) -> tuple[float, float]:
     return write, read
 
 
-def recovery(args) -> dict:
-    """Run the scenario in a child process, timestamp its output lines, print the figures."""
-    work = Path(args.dir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    if args.corpus is None:
-        from ray_ppu.data.preprocess import build_stdlib_corpus
-        from ray_ppu.data.tokenizer import qwen2
+def _default_corpus(work: Path) -> str:
+    from ray_ppu.data.preprocess import build_stdlib_corpus
+    from ray_ppu.data.tokenizer import qwen2
 
-        args.corpus = str(work / "corpus" / "stdlib_text_document")
-        build_stdlib_corpus(args.corpus, qwen2(), max_bytes=600_000)
+    corpus = str(work / "corpus" / "stdlib_text_document")
+    build_stdlib_corpus(corpus, qwen2(), max_bytes=600_000)
+    return corpus
+
+
+def _run_scenario(name: str, args, extra: list[str]) -> tuple[dict, list[tuple[float, str]]]:
+    """Run ``benchmark.py <name> --child`` (its own Ray cluster) in its own process group;
+    returns its JSON result and its output lines, each timestamped as it arrived."""
+    work = Path(args.dir).resolve()
     child_json = work / "child.json"
     child_json.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "recovery", "--child", "--child-json", str(child_json),
-           "--dir", str(work), "--corpus", args.corpus]
-    cmd += ["--reference"] if args.reference else []
-    cmd += ["--hard"] if args.hard else []
+    cmd = [sys.executable, __file__, name, "--child", "--child-json", str(child_json),
+           "--dir", str(work), "--corpus", args.corpus, *extra]
     lines: list[tuple[float, str]] = []
-    start = time.time()
-    with open(work / "recovery.log", "w") as log_file:
+    with open(work / f"{name}.log", "w") as log_file:
         # Own process group: on timeout the scenario and every Ray process it started go.
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1, start_new_session=True)
 
         def stop_child() -> None:
-            lines.append((time.time(), f"RECOVERY timed out after {args.timeout:.0f} s"))
+            lines.append((time.time(), f"SCENARIO timed out after {args.timeout:.0f} s"))
             for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 0)):
                 try:
                     os.killpg(proc.pid, sig)
@@ -562,8 +707,19 @@ def recovery(args) -> dict:
         watchdog.cancel()
     if rc != 0 or not child_json.exists():
         tail = "\n".join(l for _, l in lines[-60:])
-        raise SystemExit(f"recovery scenario failed (rc {rc}); log {work / 'recovery.log'}:\n{tail}")
-    res = json.loads(child_json.read_text())
+        raise SystemExit(f"{name} scenario failed (rc {rc}); log {work / (name + '.log')}:\n{tail}")
+    return json.loads(child_json.read_text()), lines
+
+
+def recovery(args) -> dict:
+    """Run the scenario in a child process, timestamp its output lines, print the figures."""
+    work = Path(args.dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if args.corpus is None:
+        args.corpus = _default_corpus(work)
+    start = time.time()
+    res, lines = _run_scenario("recovery", args, (["--reference"] if args.reference else [])
+                               + (["--hard"] if args.hard else []))
     res["total_wall_s"] = time.time() - start
     res["hard"] = args.hard
     ev = res["events"]
@@ -702,6 +858,16 @@ def main() -> None:
     sf.add_argument("--workers", type=int, nargs="+", default=[1, 2],
                     help="tokenizer actor counts to measure (one CPU each)")
     sf.add_argument("--dir", default="outputs/benchmark_sft", help="corpus and tokenizer")
+    el = sub.add_parser("elastic", help="elastic group: starts small with a spare, grows when "
+                                        "a node joins, shrinks when one is lost")
+    el.add_argument("--dir", default="outputs/benchmark_elastic", help="runs, corpus, log")
+    el.add_argument("--corpus", default=None, help="idxmap prefix (default: a small stdlib one)")
+    el.add_argument("--reference", action="store_true", help="run a fixed group first")
+    el.add_argument("--json", default=None, help="write the figures and results here")
+    el.add_argument("--timeout", type=float, default=900, help="give up (and stop it) after")
+    el.add_argument("--verbose", action="store_true", help="echo the scenario's output")
+    el.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    el.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     rc = sub.add_parser("recovery", help="node loss: recovery time, iterations lost, "
                                          "checkpoint throughput vs raw disk")
     rc.add_argument("--dir", default="outputs/benchmark_recovery", help="runs, corpus, log")
@@ -721,6 +887,8 @@ def main() -> None:
         data(args)
     elif args.bench == "sft":
         sft(args)
+    elif args.bench == "elastic":
+        _elastic_child(args) if args.child else elastic(args)
     elif args.child:
         _recovery_child(args)
     else:

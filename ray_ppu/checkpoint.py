@@ -163,14 +163,17 @@ def checkpoint_dirs(root: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and _DIR_PATTERN.match(p.name))
 
 
-def complete_checkpoints(root: str | Path) -> list[tuple[Path, Meta]]:
+def complete_checkpoints(root: str | Path, warn: bool = True) -> list[tuple[Path, Meta]]:
     """Complete checkpoints under ``root``, oldest first (by iteration, then save time);
-    directories without the meta file are skipped with a warning."""
+    directories without the meta file are skipped (with a warning unless ``warn`` is False:
+    while the run is saving, one may be in progress)."""
     found = []
     for path in checkpoint_dirs(root):
         meta = read_meta(path)
         if meta is None:
-            _warn_once(f"checkpoint {path} has no {META_FILE}: its save did not finish; ignored")
+            if warn:
+                _warn_once(f"checkpoint {path} has no {META_FILE}: its save did not finish; "
+                           f"ignored")
             continue
         found.append((path, meta))
     return sorted(found, key=lambda item: (item[1].iteration, item[1].saved_at))
@@ -282,6 +285,19 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def remove_incomplete(root: str | Path) -> list[Path]:
+    """Delete the run's interrupted saves (``iter_*`` directories without the meta file): a
+    group that starts is the only writer of its save root, so none of them is still being
+    written, and none will ever load. Returns what it removed."""
+    removed = []
+    for path in checkpoint_dirs(root):
+        if read_meta(path) is None:
+            shutil.rmtree(path, ignore_errors=True)
+            log.warning("removed %s: an interrupted save (no %s)", path, META_FILE)
+            removed.append(path)
+    return removed
 
 
 def prune(root: str | Path, keep_last: int) -> list[Path]:

@@ -8,19 +8,24 @@ The only module (with ``ray_ppu.data.ray_stream``) that imports Ray. Workers run
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import logging
 import math
 import os
 import signal
+import socket
+import threading
 import time
 import uuid
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import ray
 import ray.train
 import torch
+import torch.distributed as dist
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -30,7 +35,7 @@ from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, sft_store
 from ray_ppu.data.order import valid_steps
 from ray_ppu.data.ray_stream import IdxmapDataConfig, steps_dataset
-from ray_ppu.plan import ParallelDims, Plan
+from ray_ppu.plan import ParallelDims, Plan, plan_for_world
 
 log = logging.getLogger("ray_ppu")
 
@@ -74,16 +79,17 @@ def connect(cfg: RunConfig) -> bool:
 def check_capacity(cfg: RunConfig) -> None:
     """Fail at once, with what each node has, if the cluster lacks the PPUs for this run."""
     c = cfg.cluster
-    need = c.num_workers * c.ppu_per_worker
+    workers = c.min_workers or c.num_workers  # elastic: the run starts with what fits
+    need = workers * c.ppu_per_worker
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     per_node = {n["NodeManagerAddress"] + "/" + n["NodeID"][:8]: n["Resources"].get(c.resource_name, 0)
                 for n in nodes}
     have = sum(per_node.values())
-    fits = sum(int(v // c.ppu_per_worker) for v in per_node.values()) if c.ppu_per_worker else c.num_workers
-    if have < need or fits < c.num_workers:
+    fits = sum(int(v // c.ppu_per_worker) for v in per_node.values()) if c.ppu_per_worker else workers
+    if have < need or fits < workers:
         listing = ", ".join(f"{k}: {v:g}" for k, v in per_node.items()) or "no alive nodes"
         raise ClusterError(
-            f"the run needs {c.num_workers} workers × {c.ppu_per_worker:g} {c.resource_name} = "
+            f"the run needs {workers} workers × {c.ppu_per_worker:g} {c.resource_name} = "
             f"{need:g} {c.resource_name}, but the cluster has {have:g} ({listing}); "
             f"lower cluster.num_workers or add nodes started with --resources='{{\"{c.resource_name}\": 16}}'"
         )
@@ -142,8 +148,19 @@ def _train_worker(payload: dict) -> dict:
 
     _quiet_worker_logs()
     cfg: RunConfig = payload["cfg"]
-    plan: Plan = payload["plan"]
     backend: devices.Backend = payload["backend"]
+    token: str = payload["token"]
+    context = ray.train.get_context()
+    world = context.get_world_size()
+    # An elastic group can be smaller than planned, and any size: the workers past the last
+    # whole model replica (or past a DP size that divides the global batch) stay spare.
+    plan: Plan = payload["plan"] if world == payload["plan"].world_size else plan_for_world(cfg, world)
+    if context.get_world_rank() == 0 and world != cfg.cluster.num_workers:
+        log.warning("worker group of %d (of %d planned): TP %d × CP %d × PP %d × DP %d = %d train "
+                    "with %d microbatches per rank, %d spare", world, cfg.cluster.num_workers,
+                    plan.tensor_model_parallel_size, plan.context_parallel_size,
+                    plan.pipeline_model_parallel_size, plan.data_parallel_size, plan.world_size,
+                    plan.num_microbatches, plan.spare_workers)
 
     def stream(split: str):  # None on ranks that read no data
         shard = ray.train.get_dataset_shard(split)
@@ -156,8 +173,10 @@ def _train_worker(payload: dict) -> dict:
     # controller, made again here from the same files, and checked against their record
     # (ray_ppu.checkpoint's docstring: the two must agree or the data would be misaligned).
     resume = checkpoint.resume_point(cfg)
-    start_iteration = checkpoint.check_stream_start(cfg, payload["token"], resume)
+    start_iteration = checkpoint.check_stream_start(cfg, token, resume)
     _check_against_ray(cfg, resume)
+    if plan.spare_workers and not _leave_spares_out(plan.world_size):
+        return _idle_as_spare(cfg, token, start_iteration)
     batches = stream("train")
     valid_batches = stream("valid") if plan.eval_iters else None
     # As many compute threads as CPUs Ray reserved for this worker (torchrun sets
@@ -168,9 +187,56 @@ def _train_worker(payload: dict) -> dict:
     # (2 s), so frequent reports would throttle training. Metrics go to metrics.jsonl and
     # TensorBoard; the final metrics come back as the run's return value. Checkpoints are
     # reported (save points only), so Ray Train knows them and deletes the oldest.
-    return worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
-                      resume, on_checkpoint=_report_checkpoint,
-                      failures=recovery.failures(checkpoint.save_root(cfg), payload["token"]))
+    final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
+                       resume, on_checkpoint=_report_checkpoint,
+                       failures=recovery.failures(checkpoint.save_root(cfg), token))
+    if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
+        (checkpoint.save_root(cfg) / f"{_FINISHED}{token}").touch()
+    return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}
+
+
+_FINISHED = "finished_"  # + launch token: the active ranks are done (spares stop waiting)
+
+
+def _leave_spares_out(active: int) -> bool:
+    """Re-form the default process group from world ranks ``0 .. active-1`` only (Megatron's
+    groups are cut from the default group's size); True on those ranks, False on spares.
+
+    The new rendezvous port is chosen by rank 0 and shared over a gloo group (with NCCL the
+    default group would need a bound device, which comes later).
+    """
+    rank = dist.get_rank()
+    port = [_free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0, group=dist.new_group(backend="gloo"))
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    if rank >= active:
+        return False
+    dist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port[0]}",
+                            rank=rank, world_size=active, timeout=datetime.timedelta(minutes=30))
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _idle_as_spare(cfg: RunConfig, token: str, start_iteration: int) -> dict:
+    """A spare worker's whole job: join every checkpoint report of the active ranks (Ray
+    Train's report is a barrier over all workers of the group) until they finish."""
+    root = checkpoint.save_root(cfg)
+    reported = start_iteration  # complete checkpoints up to here predate this group
+    while True:
+        finished = (root / f"{_FINISHED}{token}").exists()  # read first: then the last report
+        for path, meta in checkpoint.complete_checkpoints(root, warn=False):  # is seen below
+            if meta.iteration > reported:
+                _report_checkpoint(path, {"iteration": meta.iteration}, rank0=False)
+                reported = meta.iteration
+        if finished:
+            return {}
+        time.sleep(0.5)
 
 
 class FailureRecorder(ray.train.UserCallback):
@@ -186,7 +252,7 @@ class FailureRecorder(ray.train.UserCallback):
                     "cluster.max_failures allows", failure.cause)
 
 
-def _report_checkpoint(path: Path, metrics: dict) -> None:
+def _report_checkpoint(path: Path, metrics: dict, rank0: Optional[bool] = None) -> None:
     """Register a complete checkpoint with Ray Train; every rank calls it (report is a barrier).
 
     The checkpoint is one directory all ranks wrote into, already inside Ray Train's run
@@ -194,7 +260,8 @@ def _report_checkpoint(path: Path, metrics: dict) -> None:
     is instead of copying it (Ray 2.60 accepts that only for directories under the run's
     storage path, and requires every rank that names a checkpoint to name the same path).
     """
-    rank0 = ray.train.get_context().get_world_rank() == 0
+    if rank0 is None:
+        rank0 = ray.train.get_context().get_world_rank() == 0
     ray.train.report(
         {**metrics, "checkpoint": path.name},
         checkpoint=ray.train.Checkpoint.from_directory(str(path)) if rank0 else None,
@@ -239,7 +306,9 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
         # Explicit: TorchConfig(backend=None) would pick gloo for a custom resource like PPU.
         torch_config=TorchConfig(backend=devices.dist_backend(backend)),
         scaling_config=ScalingConfig(
-            num_workers=c.num_workers,
+            # elastic: Ray Train restarts the group on whatever fits between the two
+            num_workers=(c.min_workers, c.num_workers) if c.min_workers else c.num_workers,
+            elastic_resize_monitor_interval_s=c.elastic_resize_interval_s,
             use_gpu=False,  # PPUs are a custom resource; binding is ours (assigned_device_id)
             resources_per_worker={c.resource_name: c.ppu_per_worker, "CPU": c.cpus_per_worker},
         ),
@@ -284,8 +353,11 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     cfg = _starting_point(cfg, plan)
     started = connect(cfg)
     # ray job stop sends SIGTERM: treat it as Ctrl-C, which Ray Train turns into a graceful
-    # abort of the worker group (and KeyboardInterrupt before fit() starts).
-    previous = signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+    # abort of the worker group (and KeyboardInterrupt before fit() starts). Only the main
+    # thread can set handlers (a launch from another thread, as in tests, keeps the default).
+    main = threading.current_thread() is threading.main_thread()
+    previous = (signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
+                if main else None)
     try:
         check_capacity(cfg)
         backend = _resolve_backend(cfg)
@@ -300,6 +372,11 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
                      spec.index_cache_dir, samples["train"], plan.train_samples,
                      samples["valid"], plan.valid_samples)
         ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
+        # Ray Train passes this from the driver to its controller: how long a new worker group
+        # may take to start before the controller decides again (elastic: after a node loss
+        # it may first try the old size while Ray still counts the lost node).
+        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
+                              f"{cfg.cluster.group_start_timeout_s:g}")
         try:
             result = build_trainer(cfg, plan, backend, spec, token=uuid.uuid4().hex).fit()
         except SystemExit:  # Ray Train's SIGINT handler aborts the workers, then exits
@@ -313,7 +390,8 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
                 log.info("%s", split["line"])
         return final
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         if started:
             ray.shutdown()
 

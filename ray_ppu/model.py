@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -71,13 +73,19 @@ def transformer_config(cfg: RunConfig, plan: Plan, backend: Backend) -> Transfor
     )
 
 
+def packed_format(plan: Plan, backend: Backend) -> Optional[str]:
+    """How packed SFT rows keep their samples apart: ``"thd"`` with Transformer Engine
+    (PackedSeqParams: its fused attention takes the sample boundaries, no s² mask), ``"mask"``
+    with the local spec (an explicit block-diagonal causal mask); None for unpacked rows."""
+    if not plan.packed_sequences:
+        return None
+    return "thd" if transformer_engine_available(backend) else "mask"
+
+
 def build_model(cfg: RunConfig, plan: Plan, backend: Backend) -> tuple[list[DistributedDataParallel], TransformerConfig]:
     """One GPTModel chunk per virtual pipeline stage, each wrapped in Megatron-Core DDP."""
     config = transformer_config(cfg, plan, backend)
-    # Packed SFT rows carry an explicit block-diagonal mask, which the local attention applies;
-    # Transformer Engine's fused causal attention would ignore it (it needs THD
-    # PackedSeqParams, not wired yet), so packed runs keep the local spec.
-    if transformer_engine_available(backend) and not plan.packed_sequences:
+    if transformer_engine_available(backend):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )

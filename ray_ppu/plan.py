@@ -90,6 +90,7 @@ class Plan:
     num_parameters_per_device: int
     flops_per_iteration: float
     warnings: tuple[str, ...] = ()
+    spare_workers: int = 0  # workers in the Ray group beyond world_size, outside Megatron's groups
 
     @property
     def dims(self) -> ParallelDims:
@@ -163,6 +164,9 @@ def _sft_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"data.packing with PP {cfg.parallel.pipeline_model_parallel_size}: "
                         f"middle pipeline stages read no data, so they cannot build the "
                         f"per-sample attention mask; use PP ≤ 2")
+    if d.packing and cfg.parallel.context_parallel_size > 1:
+        problems.append(f"data.packing with CP {cfg.parallel.context_parallel_size}: packed rows "
+                        f"are not split across context-parallel ranks; use CP 1")
     if t.train_tokens is not None or t.lr_warmup_tokens is not None:
         problems.append("SFT is scheduled in iterations (train_iters, lr_warmup_iters), as the "
                         "reference does; train_tokens / lr_warmup_tokens are for pretraining")
@@ -201,6 +205,36 @@ def _data_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def active_workers(world_size: int, tp: int, pp: int, cp: int, global_batch_size: int,
+                   micro_batch_size: int) -> int:
+    """How many of ``world_size`` workers can train: the largest multiple of TP × PP × CP whose
+    DP size divides the global batch into micro batches (0: not even one model replica)."""
+    model_parallel = tp * pp * cp
+    for active in range(world_size - world_size % model_parallel, 0, -model_parallel):
+        if global_batch_size % (micro_batch_size * (active // model_parallel)) == 0:
+            return active
+    return 0
+
+
+def plan_for_world(cfg: RunConfig, world_size: int) -> Plan:
+    """The plan of a worker group of ``world_size`` (an elastic group can be smaller than
+    ``cluster.num_workers``): the active workers' layout, the same global batch (more
+    microbatches per rank), the rest spare."""
+    p, t = cfg.parallel, cfg.training
+    active = active_workers(world_size, p.tensor_model_parallel_size,
+                            p.pipeline_model_parallel_size, p.context_parallel_size,
+                            t.global_batch_size, t.micro_batch_size)
+    if active == 0:
+        raise ConfigError(f"{world_size} workers hold no model replica of TP × PP × CP = "
+                          f"{p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size}"
+                          f" with global batch {t.global_batch_size}")
+    cluster = dataclasses.replace(cfg.cluster, num_workers=active, min_workers=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the launcher has shown the notes of the full plan
+        plan = build_plan(dataclasses.replace(cfg, cluster=cluster))
+    return dataclasses.replace(plan, spare_workers=world_size - active)
+
+
 def build_plan(cfg: RunConfig) -> Plan:
     """Validate the config against itself and derive the plan; ConfigError lists every problem.
 
@@ -211,17 +245,25 @@ def build_plan(cfg: RunConfig) -> Plan:
     5. Schedule: train / warmup / decay iterations (tokens → iterations as the reference does).
     6. Data: blend and split syntax, a validation source when eval_iters > 0.
     """
-    m, p, t = cfg.model, cfg.parallel, cfg.training
+    m, p, t, c = cfg.model, cfg.parallel, cfg.training, cfg.cluster
     problems: list[str] = []
     notes: list[str] = []
-    try:
-        dims = ParallelDims(cfg.cluster.num_workers, p.tensor_model_parallel_size,
-                            p.pipeline_model_parallel_size, p.context_parallel_size)
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    model_parallel = max(1, tp * pp * cp)
+    try:  # the full group must be whole replicas; an elastic one may have spares (plan_for_world)
+        dims = ParallelDims(c.num_workers, tp, pp, cp)
     except ConfigError as err:
         problems.append(str(err))
         dims = None
-
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if c.min_workers is not None:
+        if not 1 <= c.min_workers <= c.num_workers:
+            problems.append(f"cluster.min_workers {c.min_workers} must be between 1 and "
+                            f"num_workers {c.num_workers}")
+        elif not active_workers(c.min_workers, tp, pp, cp, t.global_batch_size, t.micro_batch_size):
+            problems.append(f"cluster.min_workers {c.min_workers} cannot hold one model replica: "
+                            f"TP {tp} × PP {pp} × CP {cp} = {model_parallel} workers whose DP "
+                            f"size divides global_batch_size {t.global_batch_size} by "
+                            f"micro_batch_size {t.micro_batch_size}")
     if m.num_attention_heads % tp:
         problems.append(f"num_attention_heads {m.num_attention_heads} is not divisible by TP {tp}")
     if m.num_query_groups % tp:

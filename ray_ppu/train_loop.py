@@ -48,14 +48,31 @@ def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Te
     return (other_sample | future)[:, None]
 
 
+def thd_packed_seq_params(cu_seqlens: torch.Tensor, seq_length: int):
+    """Megatron's PackedSeqParams (THD) for a microbatch of packed rows flattened into one.
+
+    ``cu_seqlens`` [b, K]: each row's boundaries, padded with its last value. Row r's
+    boundaries shift by r·s; the repeats are dropped. Transformer Engine's attention then runs
+    causal attention within each sample only, and RoPE restarts at each sample.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    offsets = torch.arange(len(cu_seqlens), device=cu_seqlens.device)[:, None] * seq_length
+    bounds = torch.unique_consecutive((cu_seqlens + offsets).reshape(-1)).to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
 def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device,
-              packed: bool = False) -> dict:
+              packed: Optional[str] = None) -> dict:
     """Next microbatch for this model chunk, broadcast from TP rank 0 to its TP group.
 
     First pipeline stage needs tokens and positions, the last needs labels and the loss mask;
     chunks in between need nothing (Megatron's get_batch contract). Packed rows also carry
-    their sample boundaries, from which every rank builds the attention mask (a few ints
-    broadcast instead of s² mask entries).
+    their sample boundaries (a few ints broadcast instead of s² mask entries), from which
+    every rank builds the block-diagonal mask (``packed="mask"``), or, for Transformer Engine
+    (``"thd"``), the THD parameters of the microbatch flattened into one row of b·s tokens.
     """
     pre = get_attr_wrapped_model(model, "pre_process")
     post = get_attr_wrapped_model(model, "post_process")
@@ -69,7 +86,12 @@ def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.devi
     batch = {**ints, **floats}
     if packed:
         cu = tensor_parallel.broadcast_data(["cu_seqlens"], data, torch.int64)["cu_seqlens"]
-        batch["attention_mask"] = packed_attention_mask(cu, batch["tokens"].shape[1])
+        b, s = batch["tokens"].shape
+        if packed == "thd":
+            batch = {k: v.reshape(1, b * s) for k, v in batch.items()}
+            batch["packed_seq_params"] = thd_packed_seq_params(cu, s)
+        else:
+            batch["attention_mask"] = packed_attention_mask(cu, s)
     return batch
 
 
@@ -83,7 +105,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(batches, model, device: torch.device, packed: bool = False):
+def forward_step(batches, model, device: torch.device, packed: Optional[str] = None):
     batch = get_batch(batches, model, device, packed)
     output = model(
         batch.get("tokens"),
@@ -91,6 +113,7 @@ def forward_step(batches, model, device: torch.device, packed: bool = False):
         # None: causal, built by the attention module; packed rows: block-diagonal causal
         batch.get("attention_mask"),
         labels=batch.get("labels"),
+        packed_seq_params=batch.get("packed_seq_params"),  # THD packed rows (TE)
     )
     return output, partial(loss_func, batch.get("loss_mask"))
 
@@ -152,8 +175,13 @@ def _sum_reports(reports: list, total: Optional[torch.Tensor]) -> Optional[torch
     return total
 
 
-def _schedule(forward_backward, step, batches, model: list, plan: Plan, forward_only: bool) -> list:
-    """One global batch through Megatron's pipeline schedule; returns the loss reports."""
+def _schedule(forward_backward, step, model: list, plan: Plan, flattened: bool, batches,
+              forward_only: bool) -> list:
+    """One global batch through Megatron's pipeline schedule; returns the loss reports.
+    ``flattened``: microbatches travel as one row of mbs × seq_length tokens (THD packing),
+    which is the activation shape pipeline stages exchange."""
+    mbs, seq = ((1, plan.micro_batch_size * plan.seq_length) if flattened
+                else (plan.micro_batch_size, plan.seq_length))
     return forward_backward(
         forward_step_func=step,
         # interleaved pipelines take one iterator per virtual stage; only the first and last
@@ -161,14 +189,21 @@ def _schedule(forward_backward, step, batches, model: list, plan: Plan, forward_
         data_iterator=[batches] * len(model) if len(model) > 1 else batches,
         model=model if len(model) > 1 else model[0],
         num_microbatches=plan.num_microbatches,
-        seq_length=plan.seq_length,
-        micro_batch_size=plan.micro_batch_size,
-        decoder_seq_length=plan.seq_length,
+        seq_length=seq,
+        micro_batch_size=mbs,
+        decoder_seq_length=seq,
         forward_only=forward_only,
     )
 
 
-def evaluate(plan: Plan, model: list, forward_backward, step, batches, device: torch.device,
+def make_schedule(plan: Plan, model: list, device: torch.device, packed: Optional[str] = None):
+    """``schedule(batches, forward_only)``: one global batch through Megatron's forward-backward
+    function (picked for the parallel state), with :func:`forward_step`; returns loss reports."""
+    step = partial(forward_step, device=device, packed=packed)
+    return partial(_schedule, get_forward_backward_func(), step, model, plan, packed == "thd")
+
+
+def evaluate(plan: Plan, model: list, schedule, batches, device: torch.device,
              iteration: int) -> dict:
     """``plan.eval_iters`` global batches of validation data, forward only; loss and perplexity."""
     for chunk in model:
@@ -176,8 +211,7 @@ def evaluate(plan: Plan, model: list, forward_backward, step, batches, device: t
     total = None
     with torch.no_grad():
         for _ in range(plan.eval_iters):
-            total = _sum_reports(_schedule(forward_backward, step, batches, model, plan, True),
-                                 total)
+            total = _sum_reports(schedule(batches, forward_only=True), total)
     for chunk in model:
         chunk.train()
     loss = _mean_loss(total, device)
@@ -200,6 +234,7 @@ def train(
     save_interval: Optional[int] = None,
     on_save: Optional[Callable[[int, dict], None]] = None,
     on_iteration: Optional[Callable[[int, Optional[list]], None]] = None,
+    packed: Optional[str] = None,
 ) -> dict:
     """Run iterations ``start_iteration .. plan.train_iters``; returns the last logged metrics.
 
@@ -213,15 +248,17 @@ def train(
     every rank (a collective checkpoint save: the state then is exactly "``iteration``
     iterations done", validation included). ``on_iteration(iteration, sample_ids)`` runs after
     every optimizer step with the ids of the samples this rank read for it (None on ranks that
-    read no data).
+    read no data). ``packed``: how packed rows keep samples apart, ``"mask"`` or ``"thd"``
+    (``model.packed_format``); ``"mask"`` when the plan packs and it is not given.
     """
     config = get_attr_wrapped_model(model[0], "config")
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
 
-    forward_backward = get_forward_backward_func()
-    step = partial(forward_step, device=device, packed=plan.packed_sequences)
+    if plan.packed_sequences and packed is None:
+        packed = "mask"
+    schedule = make_schedule(plan, model, device, packed)
     timed = _TimedIterator(batches) if batches is not None else None
     batches = timed
     tokens_per_iteration = plan.global_batch_size * plan.seq_length
@@ -235,7 +272,7 @@ def train(
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        losses = _schedule(forward_backward, step, batches, model, plan, forward_only=False)
+        losses = schedule(batches, forward_only=False)
         updated, grad_norm, _ = optimizer.step()
         if updated:
             scheduler.step(increment=plan.global_batch_size)
@@ -275,7 +312,7 @@ def train(
             on_log(metrics)
         if plan.eval_iters and (done % plan.eval_interval == 0 or done == plan.train_iters):
             eval_start = time.perf_counter()
-            result = evaluate(plan, model, forward_backward, step, valid_batches, device, done)
+            result = evaluate(plan, model, schedule, valid_batches, device, done)
             on_log({**result, "eval_time_s": time.perf_counter() - eval_start})
             metrics.update(result)
             window.start += time.perf_counter() - eval_start  # keep step times training-only

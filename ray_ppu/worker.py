@@ -51,7 +51,7 @@ def run(
        and the progress line; data-reading ranks write their sample log when asked.
     6. Tear down the parallel groups (the process group belongs to the caller).
     """
-    from ray_ppu.model import build_model
+    from ray_ppu.model import build_model, packed_format
     from ray_ppu.optim import build_optimizer
     from ray_ppu.train_loop import train
 
@@ -66,7 +66,9 @@ def run(
 
     def on_log(metrics: dict) -> None:
         if writer is not None:
-            writer.write({**metrics, "restarts": counts["restarts"]}
+            # training rows say the group's shape too: an elastic group changes it
+            writer.write({**metrics, "restarts": counts["restarts"],
+                          "world_size": plan.world_size, "data_parallel_size": plan.data_parallel_size}
                          if "lm_loss" in metrics else metrics)
 
     def on_iteration(done: int, sample_ids: Optional[list]) -> None:
@@ -97,6 +99,8 @@ def run(
                              time.perf_counter() - start, loaded)
 
             root = checkpoint.save_root(cfg)
+            if rank0:  # after the load: the resume decision was made before this group began
+                checkpoint.remove_incomplete(root)
 
             def on_save(iteration: int, metrics: dict) -> None:
                 start = time.perf_counter()
@@ -118,7 +122,7 @@ def run(
             final = train(plan, model, optimizer, scheduler, batches,
                           devices.torch_device(backend), cfg.training.log_interval, on_log,
                           start_iteration, valid_batches, cfg.checkpoint.save_interval, on_save,
-                          on_iteration)
+                          on_iteration, packed_format(plan, backend))
             return {**final, **counts}
         finally:
             parallel.destroy()

@@ -415,17 +415,15 @@ def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float
     """One process, gloo world of 1: build the model like a worker, load ``path`` as a full
     resume would, and evaluate global batch 0 of the training data (forward only)."""
     import dataclasses
-    from functools import partial
 
     import torch
     import torch.distributed as dist
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from ray_ppu import devices, parallel
     from ray_ppu.data import idxmap, local
     from ray_ppu.model import build_model
     from ray_ppu.optim import build_optimizer
-    from ray_ppu.train_loop import evaluate, forward_step
+    from ray_ppu.train_loop import evaluate, make_schedule
 
     cfg = absolute_paths(load(None, overrides))
     plan = dataclasses.replace(build_plan(cfg), eval_iters=1)  # one global batch
@@ -443,9 +441,8 @@ def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float
             batches = local.microbatches(spec, 0, 1, plan.global_batch_size,
                                          plan.micro_batch_size, 0, 1, "train")
             try:
-                result = evaluate(plan, model, get_forward_backward_func(),
-                                  partial(forward_step, device=torch.device("cpu")), batches,
-                                  torch.device("cpu"), 0)
+                result = evaluate(plan, model, make_schedule(plan, model, torch.device("cpu")),
+                                  batches, torch.device("cpu"), 0)
             finally:
                 parallel.destroy()
     finally:
@@ -456,3 +453,69 @@ def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     print(json.dumps({"loss": _loss_of_checkpoint_on_first_batch(sys.argv[1], sys.argv[2:])}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Elastic: fewer workers than planned, then growing back
+# ---------------------------------------------------------------------------------------------
+def _hold_ppus(n: int):
+    """An actor holding ``n`` PPUs of the session cluster (capacity someone else uses)."""
+    import ray
+
+    @ray.remote(num_cpus=0, resources={"PPU": n})
+    class Holder:
+        def ready(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    return holder
+
+
+def _release_after(meta_file: Path, holder, stop: threading.Event, released: list) -> None:
+    """Kill the PPU holder (capacity returns) once ``meta_file`` exists."""
+    import ray
+
+    while not stop.is_set():
+        if meta_file.exists():
+            ray.kill(holder)
+            released.append(time.time())
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_elastic_group_starts_small_with_a_spare_and_grows_back(ray_cluster, uninterrupted, corpus,
+                                                                   tmp_path):
+    """num_workers (2, 4) at TP 2 while 1 of the 4 PPUs is taken: Ray Train starts 3 workers,
+    2 train (TP 2 × DP 1) and 1 stays spare, joining the checkpoint reports; once the PPU is
+    free again after the checkpoint at 2, Ray Train grows the group to 4 (TP 2 × DP 2), which
+    resumes from the latest checkpoint with the same global batch. The run trains on exactly
+    the uninterrupted run's samples, and its losses match it (TP 2 vs 1: summation order)."""
+    out = tmp_path / "elastic"
+    cfg, plan = _config(corpus, out, "cluster.num_workers=4", "cluster.min_workers=2",
+                        "parallel.tensor_model_parallel_size=2", "checkpoint.save_interval=2",
+                        "cluster.elastic_resize_interval_s=2")
+    holder = _hold_ppus(1)
+    meta_file = checkpoint.save_root(cfg) / "iter_0000002" / checkpoint.META_FILE
+    stop, released = threading.Event(), []
+    releaser = threading.Thread(target=_release_after, args=(meta_file, holder, stop, released))
+    releaser.start()
+    try:
+        final, _ = _launch(cfg, plan)
+    finally:
+        stop.set()
+        releaser.join()
+    assert released, "the PPU was never released"
+    rows = _rows(out)
+    shapes = [(r["iteration"], r["world_size"], r["data_parallel_size"])
+              for r in rows if "lm_loss" in r]
+    # Started on 2 of 3 workers (DP 1), ended on all 4 (DP 2), resumed from a checkpoint.
+    assert shapes[0] == (1, 2, 1) and shapes[-1] == (ITERS, 4, 2), shapes
+    grown = min(i for i, w, _ in shapes if w == 4)
+    assert grown > 2 and grown - 1 in (2, 4, 6), shapes  # the iteration after a checkpoint
+    assert (final["iteration"], final["world_size"], final["spare_workers"]) == (ITERS, 4, 0)
+    assert read_sample_log(out) == {i: list(range((i - 1) * 4, i * 4)) for i in range(1, ITERS + 1)}
+    ref, got = uninterrupted["curve"], _curve(rows)
+    for key in [*range(1, ITERS + 1), ("valid", 4), ("valid", 8)]:
+        assert got[key] == pytest.approx(ref[key], abs=2e-4), key

@@ -102,6 +102,34 @@ def test_world_not_divisible_by_model_parallel():
     assert "world size 6 is not divisible by TP 2 × PP 2 × CP 1 = 4" in msg
 
 
+def test_elastic_groups_train_on_the_largest_usable_part_and_keep_the_batch():
+    from ray_ppu.plan import active_workers, plan_for_world
+
+    # largest multiple of TP×PP×CP whose DP divides global batch / micro batch
+    assert active_workers(16, 2, 2, 1, 256, 1) == 16
+    assert active_workers(15, 2, 2, 1, 96, 1) == 12    # DP 3, 3 spare
+    assert active_workers(15, 2, 2, 1, 256, 1) == 8    # DP 3 does not divide 256: DP 2
+    assert active_workers(7, 1, 1, 1, 8, 1) == 4       # DP 7, 6, 5 do not divide 8
+    assert active_workers(3, 2, 2, 1, 8, 1) == 0       # not one TP2×PP2 replica
+    assert active_workers(6, 2, 1, 1, 12, 2) == 6      # DP 3 × mbs 2 × 2 microbatches
+    cfg = load(None, [*BASE, "cluster.num_workers=16", "cluster.min_workers=4",
+                      "parallel.tensor_model_parallel_size=2", "training.global_batch_size=64"])
+    full, small = build_plan(cfg), plan_for_world(cfg, 11)
+    assert (full.world_size, full.data_parallel_size, full.num_microbatches) == (16, 8, 8)
+    assert (small.world_size, small.spare_workers, small.data_parallel_size,
+            small.num_microbatches, small.global_batch_size) == (8, 3, 4, 16, 64)
+    assert small.train_iters == full.train_iters and small.lr_decay_iters == full.lr_decay_iters
+    with pytest.raises(ConfigError, match="1 workers hold no model replica of TP × PP × CP = 2"):
+        plan_for_world(cfg, 1)
+
+
+def test_min_workers_must_hold_a_replica():
+    assert "cluster.min_workers 1 cannot hold one model replica: TP 2 × PP 1 × CP 1 = 2" in problems_of(
+        *BASE, "cluster.num_workers=4", "cluster.min_workers=1", "parallel.tensor_model_parallel_size=2")
+    assert "cluster.min_workers 5 must be between 1 and num_workers 4" in problems_of(
+        *BASE, "cluster.num_workers=4", "cluster.min_workers=5")
+
+
 def test_heads_and_groups_not_divisible_by_tp():
     msg = problems_of(*BASE, "model.preset=7B", "cluster.num_workers=8",
                       "parallel.tensor_model_parallel_size=8", "training.global_batch_size=8")

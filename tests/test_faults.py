@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,143 @@ def test_node_loss_resumes_exactly(node_loss):
         assert got[key] == pytest.approx(ref[key], abs=1e-6), key
     assert ref[8] < ref[1] - 0.5  # and the reference did train
     assert figures["iterations_lost"] <= 2  # at most the save interval
+
+
+# ---------------------------------------------------------------------------------------------
+# On the session's single-node cluster: a worker killed during a save; a full checkpoint disk
+# ---------------------------------------------------------------------------------------------
+
+from test_checkpoint import (  # noqa: E402  (the checkpoint tests' run and its reference)
+    _config, _launch, _train_workers, uninterrupted)
+
+SAVE_EVERY_2 = ("cluster.num_workers=2", "cluster.max_failures=1", "checkpoint.save_interval=2")
+EXPECTED_IDS = {i: list(range((i - 1) * GBS, i * GBS)) for i in range(1, ITERS + 1)}
+__all__ = ["uninterrupted"]  # a fixture, used below
+
+
+def _assert_same_training(rows, reference):
+    """Every iteration's loss (the last row of an iteration counts) and both validations equal
+    the uninterrupted run's: fp32 on CPU, same layout."""
+    ref, got = reference["curve"], _curve(rows)
+    for key in [*range(1, ITERS + 1), ("valid", 4), ("valid", 8)]:
+        assert got[key] == pytest.approx(ref[key], abs=1e-6), key
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_worker_killed_during_a_save(ray_cluster, uninterrupted, corpus, tmp_path):
+    """SIGKILL a worker while the checkpoint at 4 is being written: that save never counts,
+    the group restarts from the one at 2, removes the partial directory, and the run ends
+    exactly like the uninterrupted one, on the same samples."""
+    from ray_ppu import checkpoint
+    from ray_ppu.metrics import read_sample_log
+
+    out = tmp_path / "killed_in_save"
+    cfg, plan = _config(corpus, out, *SAVE_EVERY_2)
+    partial = checkpoint.save_root(cfg) / "iter_0000004"
+    stop, killed = threading.Event(), []
+
+    def kill_in_save() -> None:
+        while not stop.is_set():
+            if partial.is_dir() and not (partial / checkpoint.META_FILE).exists():
+                workers = _train_workers()
+                if workers:
+                    workers[-1].kill()
+                    killed.append(not (partial / checkpoint.META_FILE).exists())
+                    return
+            time.sleep(0.005)
+
+    killer = threading.Thread(target=kill_in_save)
+    killer.start()
+    try:
+        final, messages = _launch(cfg, plan)
+    finally:
+        stop.set()
+        killer.join()
+    assert killed == [True], "no worker was killed while the save was unfinished"
+    rows = _rows(out)
+    restart = [r for r in rows if r.get("event") == "restart"]
+    assert [(r["iteration"], r["resumed_from"]) for r in restart] == [(2, "iter_0000002")]
+    assert final["iteration"] == ITERS and final["restarts"] == 1
+    _assert_same_training(rows, uninterrupted)
+    assert read_sample_log(out) == EXPECTED_IDS
+    # The interrupted save is gone; the one at 4 was written again, complete.
+    names = sorted(p.name for p in checkpoint.checkpoint_dirs(checkpoint.save_root(cfg)))
+    assert all(checkpoint.read_meta(checkpoint.save_root(cfg) / n) for n in names), names
+    assert any(n.startswith("iter_0000008") for n in names), names
+
+
+@pytest.fixture
+def small_disk():
+    """``mount(path)``: a 1 GiB tmpfs there (the checkpoint disk), unmounted after the test;
+    skipped where mounting is not allowed."""
+    mounted = []
+
+    def mount(path: Path) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip()}): needs root")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_full_checkpoint_disk(ray_cluster, uninterrupted, corpus, small_disk, tmp_path):
+    """The checkpoint disk fills up after the save at 2: the next save fails on every rank,
+    is removed, logged and counted, training goes on unchanged; once space is freed the
+    following save succeeds."""
+    import os
+
+    from ray_ppu import checkpoint
+    from ray_ppu.metrics import read_sample_log
+
+    out = tmp_path / "full_disk"
+    cfg, plan = _config(corpus, out, *SAVE_EVERY_2)
+    root = small_disk(checkpoint.save_root(cfg))  # the run's checkpoints live on a small disk
+    filler = root / "filler"
+    stop, events = threading.Event(), {}
+
+    def fill_then_free() -> None:
+        while not stop.is_set() and not (root / "iter_0000002" / checkpoint.META_FILE).exists():
+            time.sleep(0.01)
+        if stop.is_set():
+            return
+        free = os.statvfs(root)
+        # all but 1 MiB: Ray Train's own small state files still fit, a checkpoint does not
+        size = free.f_bavail * free.f_frsize - (1 << 20)
+        with open(filler, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, size)
+        events["filled"] = time.time()
+        while not stop.is_set():
+            if any(r.get("event") == "checkpoint_failed" for r in _rows(out)):
+                filler.unlink()
+                events["freed"] = time.time()
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=fill_then_free)
+    thread.start()
+    try:
+        final, _ = _launch(cfg, plan)
+    finally:
+        stop.set()
+        thread.join()
+    assert "filled" in events and "freed" in events, events
+    rows = _rows(out)
+    failed = [r for r in rows if r.get("event") == "checkpoint_failed"]
+    saved = [r["iteration"] for r in rows if r.get("event") == "checkpoint"]
+    assert failed and all("No space left on device" in r["error"] for r in failed), failed
+    assert final["checkpoint_failures"] == len(failed) and final["restarts"] == 0
+    assert saved[0] == 2 and saved[-1] == ITERS and not set(saved) & {r["iteration"] for r in failed}
+    # No partial directory of a failed save is left; what is there is complete.
+    names = [p.name for p in checkpoint.checkpoint_dirs(root)]
+    assert names and all(checkpoint.read_meta(root / n) for n in names), names
+    _assert_same_training(rows, uninterrupted)
+    assert read_sample_log(out) == EXPECTED_IDS

@@ -51,52 +51,103 @@ def sft_overrides(files, tokenizer_dir, out, *extra):
     ]
 
 
-def test_packed_rows_give_the_padded_losses(sft_files, qwen2_tokenizer_dir, tmp_path):
-    """One real Megatron GPTModel (world of 1, CPU): the summed token losses of 24 samples are
-    the same packed several per row as padded one per row."""
+def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out):
+    """One real Megatron GPTModel (world of 1): the summed token losses of 24 samples packed
+    several per row, padded one per row, and packed but unmasked, microbatches of 2 rows."""
     from ray_ppu.data.sft import sft_rows
-    from ray_ppu.model import build_model
+    from ray_ppu.model import build_model, packed_format
     from ray_ppu.train_loop import forward_step
 
     records = arithmetic_records(24, seed=3)
-    cfg = load(None, sft_overrides(sft_files, qwen2_tokenizer_dir, tmp_path, "data.packing=true",
-                                   "cluster.num_workers=1", "training.eval_iters=0"))
+    cfg = load(None, sft_overrides(sft_files, tokenizer_dir, out, "data.packing=true",
+                                   "cluster.num_workers=1", "training.eval_iters=0",
+                                   f"cluster.device={backend}"))
     plan = build_plan(cfg)
-    packed, packed_summary = sft_rows(records, qwen2_tokenizer_dir, 128, packing=True)
-    padded, _ = sft_rows(records, qwen2_tokenizer_dir, 128, max_padding_length=128)
+    packed, packed_summary = sft_rows(records, tokenizer_dir, 128, packing=True)
+    padded, _ = sft_rows(records, tokenizer_dir, 128, max_padding_length=128)
     assert len(packed["tokens"]) < len(padded["tokens"]) == 24  # several samples per row
     assert packed_summary["packing_efficiency"] > 0.5
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(devices.dist_backend(backend), store=dist.HashStore(), rank=0,
+                            world_size=1)
     try:
-        with devices.bound("cpu", 0):
+        with devices.bound(backend, 0):
             parallel.initialize(plan, cfg.training.seed)
             try:
-                model, _ = build_model(cfg, plan, "cpu")
+                model, _ = build_model(cfg, plan, backend)
                 model[0].eval()
+                how = packed_format(plan, backend)
 
                 def summed_loss(rows, packed_rows):
                     total = 0.0
                     with torch.no_grad():
-                        for i in range(len(rows["tokens"])):
-                            row = {k: v[i:i + 1] for k, v in rows.items()}
-                            output, loss = forward_step(iter([row]), model[0], torch.device("cpu"),
-                                                        packed=packed_rows)
+                        for i in range(0, len(rows["tokens"]), 2):  # micro batch 2
+                            rows_i = {k: v[i:i + 2] for k, v in rows.items()}
+                            output, loss = forward_step(iter([rows_i]), model[0],
+                                                        devices.torch_device(backend),
+                                                        packed=how if packed_rows else None)
                             total += loss(output)[0].item()
                     return total
 
-                as_packed = summed_loss(packed, True)
-                as_padded = summed_loss(padded, False)
-                # without the block mask (samples attending to their neighbours) it differs
-                unmasked = summed_loss({k: v for k, v in packed.items() if k != "cu_seqlens"}, False)
+                losses = (summed_loss(packed, True), summed_loss(padded, False),
+                          summed_loss({k: v for k, v in packed.items() if k != "cu_seqlens"},
+                                      False))
             finally:
                 parallel.destroy()
     finally:
         dist.destroy_process_group()
+    return how, losses
+
+
+def test_packed_rows_give_the_padded_losses(sft_files, qwen2_tokenizer_dir, tmp_path):
+    """CPU, local layer spec: the block-diagonal mask isolates the samples of a packed row."""
+    how, (as_packed, as_padded, unmasked) = _packed_and_padded_losses(
+        "cpu", sft_files, qwen2_tokenizer_dir, tmp_path)
+    assert how == "mask"
     assert as_packed == pytest.approx(as_padded, rel=1e-5)
     # A freshly initialised model attends almost uniformly, so leaking across samples moves
     # the loss only a little, but far beyond the packed-vs-padded float noise.
     assert abs(unmasked - as_padded) > 10 * abs(as_packed - as_padded) + 1e-3
+
+
+def _transformer_engine_device() -> bool:
+    from ray_ppu.model import transformer_engine_available
+
+    return torch.cuda.is_available() and transformer_engine_available("ppu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _transformer_engine_device(),
+                    reason="needs a CUDA/PPU device with Transformer Engine")
+def test_thd_packed_rows_give_the_padded_losses_with_transformer_engine(
+        sft_files, qwen2_tokenizer_dir, tmp_path):
+    """PPU/GPU, Transformer Engine spec: the same through THD PackedSeqParams (two rows per
+    microbatch flattened into one sequence of 256 tokens)."""
+    how, (as_packed, as_padded, unmasked) = _packed_and_padded_losses(
+        "ppu", sft_files, qwen2_tokenizer_dir, tmp_path)
+    assert how == "thd"
+    assert as_packed == pytest.approx(as_padded, rel=1e-4)
+    assert abs(unmasked - as_padded) > 10 * abs(as_packed - as_padded) + 1e-3
+
+
+def test_thd_boundaries_are_the_block_mask_of_the_flattened_rows():
+    """The THD parameters of a microbatch of 2 packed rows (flattened to 1 × 16 tokens) give
+    exactly the block-diagonal causal mask each row has on its own, and nothing across rows."""
+    from ray_ppu.train_loop import packed_attention_mask, thd_packed_seq_params
+
+    s = 8
+    # row 0: samples of 3 and 4 tokens + a 1-token padding tail; row 1: one 8-token sample
+    cu = torch.tensor([[0, 3, 7, 8, 8], [0, 8, 8, 8, 8]])
+    params = thd_packed_seq_params(cu, s)
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.tolist() == [0, 3, 7, 8, 16] == params.cu_seqlens_kv.tolist()
+    assert params.cu_seqlens_q.dtype == torch.int32
+    assert params.max_seqlen_q == params.max_seqlen_kv == 8
+    flat = packed_attention_mask(params.cu_seqlens_q[None].long(), 2 * s)[0, 0]
+    rows = packed_attention_mask(cu, s)[:, 0]
+    expected = torch.ones(2 * s, 2 * s, dtype=torch.bool)
+    expected[:s, :s], expected[s:, s:] = rows[0], rows[1]
+    assert torch.equal(flat, expected)
 
 
 @pytest.mark.slow

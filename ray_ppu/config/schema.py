@@ -193,7 +193,19 @@ class ClusterConfig:
     """Which Ray resources the workers take and which device backend they run."""
 
     num_workers: int = 2
-    """Workers in the group: one per PPU (the world size)."""
+    """Workers in the group: one per PPU (the world size). Workers beyond the largest
+    multiple of TP × PP × CP stay spare, outside the Megatron groups."""
+    min_workers: Optional[int] = None
+    """Elastic: after losing workers, go on with as few as this many (Ray Train
+    ScalingConfig(num_workers=(min_workers, num_workers))) at a smaller DP and the same global
+    batch, and grow back when capacity returns. None: a fixed group of num_workers."""
+    elastic_resize_interval_s: float = 60.0
+    """Elastic: how often Ray Train checks whether more workers fit (a grow restarts the group
+    from the latest checkpoint: keep it near the time between checkpoints)."""
+    group_start_timeout_s: float = 60.0
+    """How long Ray Train waits for a worker group's workers to be placed before deciding
+    again (elastic: after a node loss it may first try the old size while Ray still counts the
+    lost node; shorter shrinks sooner). RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S wins if set."""
     ppu_per_worker: float = 1
     """PPU resource units each worker holds (1 = one device)."""
     cpus_per_worker: float = 1

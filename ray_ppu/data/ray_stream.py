@@ -18,7 +18,7 @@ import ray.train
 
 from ray_ppu.data import idxmap, sft_store
 from ray_ppu.data.order import rank_sample_ids
-from ray_ppu.plan import ParallelDims
+from ray_ppu.plan import ParallelDims, active_workers
 
 
 def _iteration_numbers(batch: Dict[str, np.ndarray], start: int) -> Dict[str, np.ndarray]:
@@ -63,7 +63,7 @@ class IdxmapDataConfig(ray.train.DataConfig):
     """Hands each data-reading rank its own ordered stream; every other rank gets ``None``.
 
     World size is the one Ray Train started with (it can differ after an elastic restart), so
-    DP is derived here from the model-parallel sizes, not taken from the plan.
+    DP is derived here (:func:`ray_ppu.plan.active_workers`), not taken from the plan.
     """
 
     def __init__(self, spec: idxmap.SampleSpec, tp: int, pp: int, cp: int, global_batch_size: int,
@@ -75,7 +75,10 @@ class IdxmapDataConfig(ray.train.DataConfig):
 
     def configure(self, datasets, world_size: int, worker_handles=None, worker_node_ids=None,
                   **kwargs) -> List[Dict[str, Optional[ray.data.DataIterator]]]:
-        dims = ParallelDims(world_size, self.tp, self.pp, self.cp)
+        # An elastic group may hold spares past the last usable replica: they read nothing.
+        active = active_workers(world_size, self.tp, self.pp, self.cp, self.global_batch_size,
+                                self.micro_batch_size)
+        dims = ParallelDims(active, self.tp, self.pp, self.cp)
         output: List[Dict[str, Optional[ray.data.DataIterator]]] = [
             {name: None for name in datasets} for _ in range(world_size)
         ]
