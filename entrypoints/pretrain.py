@@ -80,6 +80,8 @@ def main(argv=None) -> int:
         if started:
             ray.shutdown()
     print(json.dumps({"final": final}))
+    if "stopped_at" in final:  # SIGTERM: saved and stopped early; the same command resumes
+        return 143
     return 0
 
 

@@ -44,6 +44,10 @@ log = logging.getLogger("ray_ppu")
 UNIT_INSTANCE_RESOURCES = "neuron_cores,TPU,NPU,HPU,RBLN,FURIOSA,TTNPU,MBLT,PPU"
 
 
+_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+_ENV_AT_IMPORT = frozenset(os.environ)
+
+
 class ClusterError(RuntimeError):
     """The cluster cannot run the requested job (found before any worker is placed)."""
 
@@ -187,15 +191,81 @@ def _train_worker(payload: dict) -> dict:
     # (2 s), so frequent reports would throttle training. Metrics go to metrics.jsonl and
     # TensorBoard; the final metrics come back as the run's return value. Checkpoints are
     # reported (save points only), so Ray Train knows them and deletes the oldest.
+    root = checkpoint.save_root(cfg)
+    interruption = _Interruptions(root / f"{_STOP}{token}", backend,
+                                  # get_preemption_info is a barrier over every worker, and the
+                                  # spares do not follow the iterations
+                                  watch_preemption=cfg.checkpoint.save_on_preemption
+                                  and not plan.spare_workers)
     final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
                        resume, on_checkpoint=_report_checkpoint,
-                       failures=recovery.failures(checkpoint.save_root(cfg), token))
+                       failures=recovery.failures(root, token), interruption=interruption)
     if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
         (checkpoint.save_root(cfg) / f"{_FINISHED}{token}").touch()
     return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}
 
 
 _FINISHED = "finished_"  # + launch token: the active ranks are done (spares stop waiting)
+_STOP = "stop_"  # + launch token: the driver asks the workers to save and stop
+
+
+class _Interruptions:
+    """``worker.run``'s ``interruption``: asked after every iteration on every training rank.
+
+    "stop" when the driver has asked the run to stop (its stop file, looked at by rank 0);
+    "save" when Ray Train reports that a node of the run is being drained (polled about every
+    5 s, once per drain). One all-reduce of two flags gives every rank the same answer.
+    """
+
+    POLL_S = 5.0
+
+    def __init__(self, stop_file: Path, backend: devices.Backend, watch_preemption: bool) -> None:
+        self.stop_file, self.backend = stop_file, backend
+        self.watch_preemption = watch_preemption
+        self.last_poll = time.monotonic()
+
+    def __call__(self, iteration: int) -> Optional[str]:
+        rank0 = dist.get_rank() == 0
+        poll = (rank0 and self.watch_preemption
+                and time.monotonic() - self.last_poll >= self.POLL_S)
+        flags = torch.tensor([float(rank0 and self.stop_file.exists()), float(poll)],
+                             device=devices.torch_device(self.backend))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, poll = bool(flags[0]), bool(flags[1])
+        if poll:  # every rank calls it: Ray Train agrees on one answer across the workers
+            self.last_poll = time.monotonic()
+            info = ray.train.get_preemption_info()
+            if info is not None:
+                self.watch_preemption = False  # one checkpoint per drain
+                if rank0:
+                    log.warning("nodes %s (ranks %s) are being drained%s", info.preempted_node_ids,
+                                info.preempted_ranks, f", deadline {info.deadline_ms / 1000:.0f}"
+                                if info.deadline_ms else "")
+                return "stop" if stop else "save"
+        return "stop" if stop else None
+
+
+class _GracefulStop:
+    """The driver's SIGTERM (``ray job stop``): once training runs, ask the workers to save
+    and stop (a file they watch), and abort them if that takes longer than ``timeout_s`` or a
+    second signal comes; before training starts, abort at once."""
+
+    def __init__(self, stop_file: Path, timeout_s: float) -> None:
+        self.stop_file, self.timeout_s = stop_file, timeout_s
+        self.training = self.requested = False
+
+    def __call__(self, *_) -> None:
+        if not self.training or self.requested:
+            signal.raise_signal(signal.SIGINT)  # Ray Train's abort (KeyboardInterrupt before)
+            return
+        self.requested = True
+        self.stop_file.parent.mkdir(parents=True, exist_ok=True)
+        self.stop_file.touch()
+        log.warning("stop requested: the workers save a checkpoint after their current iteration "
+                    "and stop (aborted after %g s or on a second signal)", self.timeout_s)
+        timer = threading.Timer(self.timeout_s, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.daemon = True
+        timer.start()
 
 
 def _leave_spares_out(active: int) -> bool:
@@ -342,7 +412,8 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     3. Connect to the cluster (or start a local Ray with simulated PPUs); enough PPU?
     4. Build Megatron's sample indices once, in one Ray task, into the shared cache.
     5. TorchTrainer.fit(): one worker per PPU, each joining the Megatron worker group.
-    6. Stop cleanly on Ctrl-C / SIGTERM (``ray job stop``): workers end with the driver.
+    6. SIGTERM (``ray job stop``): the workers save after their iteration and stop; Ctrl-C,
+       a second signal or ``checkpoint.stop_timeout_s`` later: Ray Train aborts them.
     """
     sft = cfg.data.dataset == "sft"
     spec = sft_store.spec_for(cfg, plan) if sft else idxmap.spec_for(cfg, plan)
@@ -352,12 +423,14 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
                      info.tokens, info.dtype)
     cfg = _starting_point(cfg, plan)
     started = connect(cfg)
-    # ray job stop sends SIGTERM: treat it as Ctrl-C, which Ray Train turns into a graceful
-    # abort of the worker group (and KeyboardInterrupt before fit() starts). Only the main
-    # thread can set handlers (a launch from another thread, as in tests, keeps the default).
+    # ray job stop sends SIGTERM: the workers save and stop (then, or before training starts,
+    # it is Ctrl-C: Ray Train's abort of the worker group). Only the main thread can set
+    # handlers (a launch from another thread, as in tests, keeps the default).
+    token = uuid.uuid4().hex
+    graceful = _GracefulStop(checkpoint.save_root(cfg) / f"{_STOP}{token}",
+                             cfg.checkpoint.stop_timeout_s)
     main = threading.current_thread() is threading.main_thread()
-    previous = (signal.signal(signal.SIGTERM, lambda *_: signal.raise_signal(signal.SIGINT))
-                if main else None)
+    previous = signal.signal(signal.SIGTERM, graceful) if main else None
     try:
         check_capacity(cfg)
         backend = _resolve_backend(cfg)
@@ -375,15 +448,23 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         # Ray Train passes this from the driver to its controller: how long a new worker group
         # may take to start before the controller decides again (elastic: after a node loss
         # it may first try the old size while Ray still counts the lost node).
-        os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S",
-                              f"{cfg.cluster.group_start_timeout_s:g}")
+        if _START_TIMEOUT_ENV not in _ENV_AT_IMPORT:  # the user's own setting wins
+            os.environ[_START_TIMEOUT_ENV] = f"{cfg.cluster.group_start_timeout_s:g}"
+        trainer = build_trainer(cfg, plan, backend, spec, token=token)
+        graceful.training = True
         try:
-            result = build_trainer(cfg, plan, backend, spec, token=uuid.uuid4().hex).fit()
+            result = trainer.fit()
         except SystemExit:  # Ray Train's SIGINT handler aborts the workers, then exits
             raise KeyboardInterrupt from None
+        finally:
+            graceful.training = False
+            graceful.stop_file.unlink(missing_ok=True)
         if result.error is not None:
             raise result.error
         final = result.return_value or {}
+        if "stopped_at" in final:
+            log.warning("stopped at iteration %d of %d with a checkpoint: run the same config "
+                        "again to resume", final["stopped_at"], plan.train_iters)
         if sft:  # the end-of-run account of the records: read, used, dropped and why
             final["data"] = sft_store.summaries(spec)
             for split in final["data"].values():

@@ -233,7 +233,7 @@ def train(
     valid_batches: Optional[Iterator[Microbatch]] = None,
     save_interval: Optional[int] = None,
     on_save: Optional[Callable[[int, dict], None]] = None,
-    on_iteration: Optional[Callable[[int, Optional[list]], None]] = None,
+    on_iteration: Optional[Callable[[int, Optional[list]], Optional[str]]] = None,
     packed: Optional[str] = None,
 ) -> dict:
     """Run iterations ``start_iteration .. plan.train_iters``; returns the last logged metrics.
@@ -248,7 +248,8 @@ def train(
     every rank (a collective checkpoint save: the state then is exactly "``iteration``
     iterations done", validation included). ``on_iteration(iteration, sample_ids)`` runs after
     every optimizer step with the ids of the samples this rank read for it (None on ranks that
-    read no data). ``packed``: how packed rows keep samples apart, ``"mask"`` or ``"thd"``
+    read no data); it may answer ``"save"`` (save now too) or ``"stop"`` (save now, then
+    return), the same on every rank. ``packed``: how packed rows keep samples apart, ``"mask"`` or ``"thd"``
     (``model.packed_format``); ``"mask"`` when the plan packs and it is not given.
     """
     config = get_attr_wrapped_model(model[0], "config")
@@ -283,8 +284,9 @@ def train(
         window.iterations += 1
 
         done = iteration + 1
+        action = None
         if on_iteration is not None:
-            on_iteration(done, timed.take_ids() if timed is not None else None)
+            action = on_iteration(done, timed.take_ids() if timed is not None else None)
         if done % log_interval == 0 or done == plan.train_iters:
             lm_loss = _mean_loss(window.loss_sum, device)  # syncs: the window's work is finished
             now = time.perf_counter()
@@ -316,9 +318,11 @@ def train(
             on_log({**result, "eval_time_s": time.perf_counter() - eval_start})
             metrics.update(result)
             window.start += time.perf_counter() - eval_start  # keep step times training-only
-        if on_save is not None and (done == plan.train_iters
+        if on_save is not None and (done == plan.train_iters or action is not None
                                     or (save_interval and done % save_interval == 0)):
             save_start = time.perf_counter()
             on_save(done, dict(metrics))
             window.start += time.perf_counter() - save_start  # likewise for checkpoint time
+        if action == "stop":
+            return {**metrics, "stopped_at": done}
     return metrics

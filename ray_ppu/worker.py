@@ -32,6 +32,7 @@ def run(
     resume: Optional[checkpoint.ResumePoint] = None,
     on_checkpoint: Optional[Callable[[Path, dict], None]] = None,
     failures: Sequence[recovery.Failure] = (),
+    interruption: Optional[Callable[[int], Optional[str]]] = None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
@@ -41,6 +42,8 @@ def run(
     it); without it rank 0 keeps the last ``checkpoint.keep_last`` itself (torchrun). A save
     that fails (full disk) is logged and counted, and training goes on. ``failures``: this
     launch's earlier worker-group failures (this group is a restart when there are any).
+    ``interruption(iteration)``: asked after every iteration on every rank, the same answer on
+    all: None, ``"save"`` (a node is being drained) or ``"stop"`` (the job is being stopped).
 
     1. Bind the device (PPU id, or the CPU shim) for this thread.
     2. Megatron parallel groups and seeds on the existing process group.
@@ -71,7 +74,7 @@ def run(
                           "world_size": plan.world_size, "data_parallel_size": plan.data_parallel_size}
                          if "lm_loss" in metrics else metrics)
 
-    def on_iteration(done: int, sample_ids: Optional[list]) -> None:
+    def on_iteration(done: int, sample_ids: Optional[list]) -> Optional[str]:
         nonlocal restart_pending
         if samples is not None and sample_ids is not None:
             samples.write(done, sample_ids)
@@ -80,6 +83,12 @@ def run(
                 list(failures), start_iteration, Path(resume.path).name if resume else None,
                 writer.dir / "metrics.jsonl", time.time()))
         restart_pending = False
+        action = interruption(done) if interruption is not None else None
+        if action and writer is not None:
+            log.warning("%s: saving a checkpoint at iteration %d%s", "the job is being stopped"
+                        if action == "stop" else "a node of the run is being drained", done,
+                        ", then stopping" if action == "stop" else "")
+        return action
 
     with devices.bound(backend, device_id):
         parallel.initialize(plan, cfg.training.seed)

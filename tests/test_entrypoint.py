@@ -1,5 +1,5 @@
 """entrypoints/pretrain.py end to end: a real job on its own embedded Ray, stopped as
-``ray job stop`` stops it (SIGTERM, which the launcher treats as Ctrl-C)."""
+``ray job stop`` stops it (SIGTERM: the workers save a checkpoint and stop)."""
 
 import json
 import signal
@@ -42,8 +42,21 @@ def test_stop_signal_ends_the_job_and_its_workers(corpus, tmp_path):
             "tokens_per_s"} <= set(first)
 
     job.send_signal(signal.SIGTERM)
-    assert job.wait(timeout=60) == 130
+    assert job.wait(timeout=120) == 143  # saved and stopped (130: aborted)
+    output = job.stdout.read()
     _, alive = psutil.wait_procs(workers, timeout=30)
     survivors = [p.pid for p in alive if _is_train_worker(p)]
     assert not survivors, f"Ray Train workers {survivors} outlived the job"
     assert (out / "tensorboard").is_dir()
+    # The workers finished the iteration they were in and saved it: a complete checkpoint at
+    # the iteration the job reports, and the log says how to resume.
+    final = json.loads(next(line for line in output.splitlines()
+                            if line.startswith('{"final"')))["final"]
+    stopped = final["stopped_at"]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in rows if r.get("event") == "checkpoint"] == [stopped]
+    assert max(r["iteration"] for r in rows if "lm_loss" in r) == stopped
+    meta = json.loads((out / "ray_train" / "run" / f"iter_{stopped:07d}" /
+                       "ray_ppu_meta.json").read_text())
+    assert meta["iteration"] == stopped
+    assert "run the same config again to resume" in output

@@ -1,13 +1,16 @@
-"""Fault tolerance under the real Ray Train V2: losing a whole node.
+"""Fault tolerance under the real Ray Train V2 (``make test-faults``; minutes each).
 
-The scenario (``entrypoints/benchmark.py recovery``) runs in a subprocess because it needs its
-own Ray: a ``ray.cluster_utils.Cluster`` of simulated nodes (a CPU-only head and three nodes
-with one PPU each, one spare), not the session's single-node ``ray_cluster``. In it, the tiny
-model trains on 2 workers (DP 2) for 8 iterations, saving every 2: first uninterrupted (the
-reference), then again while a thread removes a PPU node hosting a worker (its raylet and the
-worker on it die) as soon as the checkpoint at iteration 4 is complete. Ray Train's
-FailureConfig restarts the group at the same size on the surviving nodes; the group loads the
-latest complete checkpoint and the data streams start right after it.
+On a simulated multi-node cluster (``ray.cluster_utils.Cluster`` of one-PPU nodes, in a
+subprocess: ``entrypoints/benchmark.py recovery`` / ``elastic``, each with its own Ray):
+
+* node loss: a PPU node hosting a worker is removed after the checkpoint at 4; Ray Train
+  restarts the group on a spare node, which resumes exactly (losses equal to 1e-6).
+* elastic: num_workers (2, 4) at TP 2 starts on 3 nodes (DP 1 and a spare worker), grows to
+  4 when a node joins, shrinks back when one is lost; same samples, same losses (2e-4).
+
+On the session's single-node cluster: a worker SIGKILLed in the middle of a save, and a
+checkpoint disk (a tmpfs) that fills up. Every run must finish on exactly the uninterrupted
+run's samples (by id, from the sample log) and losses.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint import _curve, _rows  # same metrics.jsonl readers as the checkpoint tests
+# the checkpoint tests' run settings, metrics readers, worker finder and reference run
+from test_checkpoint import _config, _curve, _launch, _rows, _train_workers, uninterrupted_run
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS, GBS = 8, 4
@@ -72,16 +76,65 @@ def test_node_loss_resumes_exactly(node_loss):
     assert figures["iterations_lost"] <= 2  # at most the save interval
 
 
+@pytest.fixture(scope="module")
+def elastic_run(corpus, tmp_path_factory):
+    """``benchmark.py elastic --reference`` (its own simulated cluster, in a subprocess): a
+    fixed 2-worker run, then num_workers (2, 4) at TP 2 on 3 one-PPU nodes: 3 workers (DP 1 +
+    a spare), grown to 4 (DP 2) when a node joins after the checkpoint at 2, back to 3 when a
+    node hosting a worker is removed after the 4-worker group's first checkpoint."""
+    work = tmp_path_factory.mktemp("elastic")
+    result = work / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "benchmark.py"), "elastic", "--reference",
+         "--dir", str(work), "--corpus", corpus, "--json", str(result), "--timeout", "600"],
+        capture_output=True, text=True, timeout=660)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    return json.loads(result.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_elastic_group_shrinks_and_grows(elastic_run):
+    from ray_ppu.metrics import read_sample_log
+
+    res = elastic_run
+    events = res["events"]
+    assert "added" in events and "removed" in events, events
+    rows, ref_rows = _rows(res["dir"]), _rows(res["reference_dir"])
+    train = [r for r in rows if "lm_loss" in r]
+    shapes = []  # (world size, DP) of each group, in order
+    for r in train:
+        if not shapes or shapes[-1] != (r["world_size"], r["data_parallel_size"]):
+            shapes.append((r["world_size"], r["data_parallel_size"]))
+    # 3 workers: 2 train (TP 2 × DP 1) + 1 spare; 4: TP 2 × DP 2; 3 again after the loss.
+    assert shapes == [(2, 1), (4, 2), (2, 1)], shapes
+    grown = [r for r in train if r["world_size"] == 4]
+    assert all(r["time"] > events["added"] for r in grown)
+    final = res["final"]
+    assert (final["iteration"], final["world_size"], final["spare_workers"]) == (12, 2, 1)
+    # Only the node loss is a failure (the grow is Ray Train's resize), reported as a restart.
+    restarts = [r for r in rows if r.get("event") == "restart"]
+    assert len(restarts) == 1 and restarts[0]["time"] > events["removed"], restarts
+    assert final["restarts"] == 1
+    # The same samples as the fixed run, by id, and the same losses (DP/TP summation order).
+    expected = {i: list(range((i - 1) * GBS, i * GBS)) for i in range(1, 13)}
+    assert read_sample_log(res["dir"]) == read_sample_log(res["reference_dir"]) == expected
+    ref, got = _curve(ref_rows), _curve(rows)
+    for key in [*range(1, 13), ("valid", 4), ("valid", 8), ("valid", 12)]:
+        assert got[key] == pytest.approx(ref[key], abs=2e-4), key
+
+
 # ---------------------------------------------------------------------------------------------
 # On the session's single-node cluster: a worker killed during a save; a full checkpoint disk
 # ---------------------------------------------------------------------------------------------
 
-from test_checkpoint import (  # noqa: E402  (the checkpoint tests' run and its reference)
-    _config, _launch, _train_workers, uninterrupted)
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, corpus, tmp_path_factory):
+    return uninterrupted_run(corpus, tmp_path_factory.mktemp("uninterrupted"))
 
 SAVE_EVERY_2 = ("cluster.num_workers=2", "cluster.max_failures=1", "checkpoint.save_interval=2")
 EXPECTED_IDS = {i: list(range((i - 1) * GBS, i * GBS)) for i in range(1, ITERS + 1)}
-__all__ = ["uninterrupted"]  # a fixture, used below
 
 
 def _assert_same_training(rows, reference):

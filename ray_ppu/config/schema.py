@@ -237,6 +237,15 @@ class CheckpointConfig:
     finetune: bool = False
     """Load only the weights from ``load``: fresh optimizer and schedule, iteration 0, data from
     the start (Megatron's --finetune)."""
+    stop_timeout_s: float = 300.0
+    """On SIGTERM (``ray job stop``): the workers finish their iteration, save and stop; after
+    this many seconds (or a second signal) they are aborted instead. ``ray job stop`` itself
+    kills the driver RAY_JOB_STOP_WAIT_TIME_S (default 3) after its SIGTERM: raise it on the
+    cluster to cover a save."""
+    save_on_preemption: bool = True
+    """When Ray reports that a node of the run is being drained (spot reclaim, maintenance),
+    save a checkpoint at the end of the current iteration and keep training (Ray Train then
+    restarts from it when the node goes). Checked about every 5 s; not with spare workers."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""The restart record (ray_ppu.recovery), without Ray: what the controller writes on a failure,
+and the row the next worker group derives from it and from metrics.jsonl."""
+
+import json
+
+from ray_ppu import recovery
+
+
+class WorkerHealthCheckFailedError(RuntimeError):
+    """Shaped like Ray Train's: the reason the health check failed rides along."""
+
+    def __init__(self, message, failure):
+        super().__init__(message)
+        self.health_check_failure = failure
+
+
+def test_failures_are_kept_per_launch_and_name_their_cause(tmp_path):
+    died = WorkerHealthCheckFailedError("A worker health check failed.",
+                                        ConnectionError("The actor died unexpectedly\nmore"))
+    recovery.record_failure(tmp_path, "launch-a", {3: died, 1: ValueError("bad batch")})
+    recovery.record_failure(tmp_path, "launch-b", {0: died})
+    (tmp_path / recovery.FAILURES_FILE).open("a").write('{"token": "launch-a", "cut')  # a crash
+    mine = recovery.failures(tmp_path, "launch-a")
+    assert len(mine) == 1 and mine[0].ranks == (1, 3)
+    assert mine[0].cause == "rank 1: ValueError: bad batch"  # the lowest failed rank
+    other = recovery.failures(tmp_path, "launch-b")[0]
+    assert other.cause == ("rank 0: WorkerHealthCheckFailedError: A worker health check failed. "
+                           "(ConnectionError: The actor died unexpectedly)")
+    assert recovery.failures(tmp_path, "launch-c") == []
+
+
+def test_restart_row_counts_lost_iterations_and_recovery_time(tmp_path):
+    failure = recovery.Failure(token="t", detected_at=100.0, cause="rank 1: X", ranks=(1,))
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"iteration": i, "lm_loss": 1.0, "time": 90.0 + i} for i in range(1, 8)]  # 91..97
+    rows.append({"iteration": 4, "valid_lm_loss": 1.0, "time": 99.0})  # not a training row
+    rows.append({"iteration": 5, "lm_loss": 1.0, "time": 130.0})  # the restarted group's
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = recovery.restart_row([failure, failure], 4, "iter_0000004", metrics, 112.5)
+    assert row == {"event": "restart", "iteration": 4, "restarts": 2, "cause": "rank 1: X",
+                   "failed_ranks": [1], "resumed_from": "iter_0000004",
+                   "iterations_lost": 7 - 4, "recovery_s": 12.5}
+    assert recovery.restart_line(row) == (
+        "restart 2 after rank 1: X: resumed at iteration 4 from iter_0000004, 3 iteration(s) "
+        "lost, first iteration done 12.5 s after the failure was detected")
+    # nothing logged past the checkpoint: nothing lost
+    assert recovery.restart_row([failure], 7, None, metrics, 101.0)["iterations_lost"] == 0
