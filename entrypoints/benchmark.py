@@ -362,7 +362,8 @@ def recovery_overrides(corpus: str, out: Path, *extra: str) -> list[str]:
         "training.min_lr=3e-4", "training.lr_warmup_iters=1", "training.log_interval=1",
         "training.eval_interval=4", "training.eval_iters=1", "data.split=80,20,0",
         "model.make_vocab_size_divisible_by=64", "cluster.num_workers=2",
-        f"checkpoint.save_interval={RECOVERY_SAVE_INTERVAL}", "cluster.max_failures=2", *extra,
+        f"checkpoint.save_interval={RECOVERY_SAVE_INTERVAL}", "cluster.max_failures=2",
+        "output.sample_log=true", *extra,
     ]
 
 
@@ -371,6 +372,38 @@ def _rows(out: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _drain_and_wait_for_a_save(address: str, node_id: str, out: Path, events: dict,
+                               timeout_s: float = 90) -> None:
+    """Tell Ray that ``node_id`` is being preempted (as a cloud's spot reclaim would, through
+    the autoscaler's drain API), then wait until the run has saved a checkpoint because of it."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = int((time.time() + timeout_s) * 1000)
+    accepted, why = ray._raylet.GcsClient(address=address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        "benchmark: spot reclaim", deadline_ms)
+    if not accepted:
+        raise RuntimeError(f"drain of {node_id[:8]} refused: {why}")
+    events["drained"] = time.time()
+    print(f"RECOVERY node {node_id[:8]} drained at {events['drained']:.3f}", flush=True)
+
+    def saved_for_it():
+        rows = _rows(out)
+        asked = [r["iteration"] for r in rows if r.get("event") == "interrupted"
+                 and r["time"] > events["drained"]]
+        return asked and next((r["iteration"] for r in rows if r.get("event") == "checkpoint"
+                               and r["iteration"] >= asked[0]), None)
+
+    while time.time() * 1000 < deadline_ms:
+        iteration = saved_for_it()
+        if iteration:
+            events["drain_saved_iteration"] = iteration
+            events["drain_saved"] = time.time()
+            return
+        time.sleep(0.05)
 
 
 def _recovery_child(args) -> None:
@@ -426,9 +459,11 @@ def _recovery_child(args) -> None:
         def lose_a_node() -> None:
             while not stop.is_set():
                 if meta_file.exists():
+                    victim = _node_of_a_train_worker(ppu_nodes)
+                    if args.drain:  # a preemption notice first: the run saves, then loses it
+                        _drain_and_wait_for_a_save(cluster.address, victim.node_id, out, events)
                     events["loss_start"] = time.time()
                     rows = _rows(out)
-                    victim = _node_of_a_train_worker(ppu_nodes)
                     cluster.remove_node(victim, allow_graceful=not args.hard)
                     events["removed"] = time.time()
                     events["removed_node"] = victim.node_id
@@ -719,7 +754,8 @@ def recovery(args) -> dict:
         args.corpus = _default_corpus(work)
     start = time.time()
     res, lines = _run_scenario("recovery", args, (["--reference"] if args.reference else [])
-                               + (["--hard"] if args.hard else []))
+                               + (["--hard"] if args.hard else [])
+                               + (["--drain"] if args.drain else []))
     res["total_wall_s"] = time.time() - start
     res["hard"] = args.hard
     ev = res["events"]
@@ -770,6 +806,9 @@ def recovery(args) -> dict:
         "detect_line": (re.sub(r"\x1b\[[0-9;]*m", "", detect_line[1])[:200] if detect_line
                         else "(stream_start.json mtime)"),
     }
+    if "drained" in ev:  # --drain: the preemption notice → the checkpoint it caused
+        figures["drain_saved_iteration"] = ev.get("drain_saved_iteration")
+        figures["drain_to_saved_s"] = span(ev["drained"], ev.get("drain_saved"))
     # Checkpoint throughput: bytes of each saved directory that still exists ÷ its logged time.
     ckpt_bytes, save_rates = 0, []
     for _, iteration, path, secs in saves:
@@ -802,6 +841,9 @@ def _print_recovery(f: dict, res: dict) -> None:
 
     rec = f["recovery_s"]
     ratio = (f["save_Bps"] / f["raw_write_Bps"]) if f["save_Bps"] else None
+    if "drain_to_saved_s" in f:
+        print(f"\ndrain notice → checkpoint at iteration {f['drain_saved_iteration']} "
+              f"{sec(f['drain_to_saved_s'])}; then the node was removed")
     lost_ok = f["iterations_lost"] <= RECOVERY_SAVE_INTERVAL
     print(f"\nnode loss → first completed iteration after it (tiny model, DP 2, "
           f"{'SIGKILL' if res.get('hard') else 'node removed'}):")
@@ -875,6 +917,8 @@ def main() -> None:
     rc.add_argument("--reference", action="store_true", help="run uninterrupted first")
     rc.add_argument("--hard", action="store_true",
                     help="SIGKILL the node's processes (default: SIGTERM first, as remove_node)")
+    rc.add_argument("--drain", action="store_true",
+                    help="drain the node first (a preemption notice): the run saves, then loses it")
     rc.add_argument("--json", default=None, help="write all figures and the runs' results here")
     rc.add_argument("--timeout", type=float, default=900, help="give up (and stop it) after")
     rc.add_argument("--verbose", action="store_true", help="echo the scenario's output")

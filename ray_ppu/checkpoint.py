@@ -54,6 +54,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
@@ -477,6 +478,21 @@ class CheckpointSaveError(CheckpointError):
     the partial directory is removed; training can go on and try again at the next save."""
 
 
+def _write_error(err: BaseException) -> str:
+    """One line per distinct cause: torch's CheckpointException (a BaseException) wraps each
+    rank's write error with its traceback; the last line of each is what went wrong."""
+    causes = getattr(err, "failures", None)
+    if not causes:
+        return f"{type(err).__name__}: {err}"
+    lines = []
+    for cause in causes.values():
+        cause = cause[0] if isinstance(cause, tuple) else cause
+        line = f"{type(cause).__name__}: {cause}".strip().splitlines()[-1]
+        if line not in lines:
+            lines.append(line)
+    return "; ".join(lines)
+
+
 def _agree_saved(path: Path, iteration: int, error: Optional[str]) -> None:
     """Every rank learns whether every rank wrote its part (torch's checkpoint writer already
     gathers write errors, but a rank can also fail outside it); on any failure rank 0 removes
@@ -488,10 +504,10 @@ def _agree_saved(path: Path, iteration: int, error: Optional[str]) -> None:
         return
     if dist.get_rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
-    first = min(failed)
+    causes = list(dict.fromkeys(failed.values()))  # distinct, in rank order
     raise CheckpointSaveError(
         f"checkpoint at iteration {iteration} not saved: {len(failed)} of {len(errors)} ranks "
-        f"failed to write {path} (rank {first}: {failed[first][:300]})")
+        f"failed to write {path} (rank {min(failed)}: {'; '.join(causes)[:500]})")
 
 
 def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, plan,
@@ -525,8 +541,8 @@ def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, pl
     error = None
     try:
         dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
-    except Exception as err:  # noqa: BLE001 - a full disk, a lost mount: any write error
-        error = f"{type(err).__name__}: {err}"
+    except (Exception, CheckpointException) as err:  # a full disk, a lost mount: any write error
+        error = _write_error(err)
     _agree_saved(path, iteration, error)
     meta = Meta(
         iteration=iteration,

@@ -28,7 +28,8 @@ def validation_line(m: dict) -> str:
 
 
 def event_line(m: dict) -> str:
-    """Log line of an event row (``event``: checkpoint, checkpoint_failed, restart)."""
+    """Log line of an event row (``event``: checkpoint, checkpoint_failed, interrupted,
+    restart)."""
     from ray_ppu.recovery import restart_line
 
     if m["event"] == "restart":
@@ -36,6 +37,9 @@ def event_line(m: dict) -> str:
     if m["event"] == "checkpoint":
         return (f"checkpoint at iteration {m['iteration']} saved to {m['path']} in "
                 f"{m['checkpoint_time_s']:.1f} s")
+    if m["event"] == "interrupted":
+        return (f"{m['reason']}: saving a checkpoint at iteration {m['iteration']}"
+                + (", then stopping" if m["reason"] == "job stop" else ", training goes on"))
     if m["event"] == "checkpoint_failed":
         return (f"{m['error']} ({m['checkpoint_failures']} failed save(s) so far); training "
                 f"goes on, the run resumes from the previous complete checkpoint if it fails")
@@ -57,7 +61,7 @@ class MetricsWriter:
 
     def write(self, metrics: dict) -> None:
         """One row: a training window (``lm_loss``, ...), a validation pass (``valid_*``) or an
-        event (``event``: checkpoint, checkpoint_failed, restart)."""
+        event (``event``: checkpoint, checkpoint_failed, interrupted, restart)."""
         self._jsonl.write(json.dumps({**metrics, "time": time.time()}) + "\n")
         event = metrics.get("event")
         is_valid = "valid_lm_loss" in metrics

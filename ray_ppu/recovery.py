@@ -54,13 +54,21 @@ def _first_line(err: BaseException) -> str:
 
 
 def record_failure(root: str | Path, token: str, errors: dict) -> Failure:
-    """Append a failure (``errors``: world rank → exception) to ``<root>/failures.jsonl``."""
+    """Append a failure (``errors``: world rank → exception) to ``<root>/failures.jsonl``.
+
+    Never raises: it runs in Ray Train's controller, which must go on restarting the group
+    even when the record cannot be written (a full disk); the restart then goes unreported.
+    """
     failure = Failure(token=token, detected_at=time.time(), cause=cause_of(errors),
                       ranks=tuple(sorted(errors)))
     path = Path(root) / FAILURES_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:  # one short line per write: appends do not interleave
-        f.write(json.dumps(asdict(failure)) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:  # one short line per write: appends do not interleave
+            f.write(json.dumps(asdict(failure)) + "\n")
+    except OSError as err:
+        log.warning("could not record the failure in %s (%s): the restart will not be "
+                    "reported", path, err)
     return failure
 
 

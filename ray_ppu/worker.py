@@ -85,9 +85,8 @@ def run(
         restart_pending = False
         action = interruption(done) if interruption is not None else None
         if action and writer is not None:
-            log.warning("%s: saving a checkpoint at iteration %d%s", "the job is being stopped"
-                        if action == "stop" else "a node of the run is being drained", done,
-                        ", then stopping" if action == "stop" else "")
+            writer.write({"event": "interrupted", "iteration": done,
+                          "reason": "job stop" if action == "stop" else "node drain"})
         return action
 
     with devices.bound(backend, device_id):

@@ -76,6 +76,40 @@ def test_node_loss_resumes_exactly(node_loss):
     assert figures["iterations_lost"] <= 2  # at most the save interval
 
 
+@pytest.mark.slow
+@pytest.mark.faults
+def test_drained_node_is_saved_before_it_goes(node_loss, corpus, tmp_path_factory):
+    """A preemption notice (Ray's drain API, as a spot reclaim sends) for a node hosting a
+    worker: the run saves a checkpoint at the end of its iteration and trains on; when the node
+    then goes, the restarted group resumes from that checkpoint, not the last periodic one."""
+    from ray_ppu.metrics import read_sample_log
+
+    work = tmp_path_factory.mktemp("drain")
+    result = work / "result.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "benchmark.py"), "recovery", "--drain",
+         "--dir", str(work), "--corpus", corpus, "--json", str(result), "--timeout", "540"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(result.read_text())
+    events, figures = res["events"], res["figures"]
+    saved_at = events["drain_saved_iteration"]
+    assert events["drained"] < events["drain_saved"] < events["removed"], events
+    rows = _rows(res["dir"])
+    asked = [r for r in rows if r.get("event") == "interrupted"]
+    assert [r["reason"] for r in asked] == ["node drain"] and asked[0]["iteration"] <= saved_at
+    # Resumed from the drain's checkpoint: lost at most what was trained between that save and
+    # the node going (here it goes right after), same samples and losses.
+    assert res["stream_start"]["iteration"] == saved_at == figures["resumed_from_iteration"]
+    assert figures["iterations_lost"] <= 1
+    assert res["final"]["iteration"] == ITERS
+    assert read_sample_log(res["dir"]) == {i: list(range((i - 1) * GBS, i * GBS))
+                                           for i in range(1, ITERS + 1)}
+    ref, got = _curve(_rows(node_loss["reference_dir"])), _curve(rows)
+    for key in [*range(1, ITERS + 1), ("valid", 4), ("valid", 8)]:
+        assert got[key] == pytest.approx(ref[key], abs=1e-6), key
+
+
 @pytest.fixture(scope="module")
 def elastic_run(corpus, tmp_path_factory):
     """``benchmark.py elastic --reference`` (its own simulated cluster, in a subprocess): a
