@@ -422,6 +422,8 @@ def _recovery_child(args) -> None:
 
     # Every raylet started below inherits this: distinct PPU ids per worker.
     os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
+    if args.drain:  # Ray Train's drain watcher (and our check) every second, not 5: a short run
+        os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"
     work = Path(args.dir).resolve()
     node_args = {"num_cpus": 1, "resources": {"PPU": 1}}
     # Head: the driver, Ray Train's controller and the data readers (2 ranks × 2 splits × 2
@@ -453,7 +455,8 @@ def _recovery_child(args) -> None:
         out = work / "interrupted"
         cfg, plan = config(out)
         root = checkpoint.save_root(cfg)
-        meta_file = root / f"iter_{LOSS_AFTER:07d}" / checkpoint.META_FILE
+        # --drain: the notice comes after the checkpoint at 2, the run's own save follows it
+        meta_file = root / f"iter_{2 if args.drain else LOSS_AFTER:07d}" / checkpoint.META_FILE
         stop, events = threading.Event(), {}
 
         def lose_a_node() -> None:

@@ -94,6 +94,8 @@ class Meta:
     optimizer_format: str
     saved_at: float
     format_version: int = FORMAT_VERSION
+    files: Optional[dict] = None
+    """Every file the save wrote (name → bytes): a load first checks they are all there."""
 
     @classmethod
     def from_dict(cls, values: dict) -> "Meta":
@@ -164,10 +166,31 @@ def checkpoint_dirs(root: str | Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and _DIR_PATTERN.match(p.name))
 
 
+def damage(path: str | Path, meta: Meta) -> Optional[str]:
+    """What is wrong with a checkpoint whose save finished: files its meta lists that are now
+    missing or of another size (a partial copy, a cleanup gone wrong); None when intact."""
+    if not meta.files:  # saved before files were listed
+        return None
+    problems = []
+    for name, size in sorted(meta.files.items()):
+        try:
+            actual = (Path(path) / name).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name} missing")
+            continue
+        if actual != size:
+            problems.append(f"{name} has {actual} bytes, not {size}")
+    if not problems:
+        return None
+    more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+    return ", ".join(problems[:5]) + more
+
+
 def complete_checkpoints(root: str | Path, warn: bool = True) -> list[tuple[Path, Meta]]:
-    """Complete checkpoints under ``root``, oldest first (by iteration, then save time);
-    directories without the meta file are skipped (with a warning unless ``warn`` is False:
-    while the run is saving, one may be in progress)."""
+    """Complete, intact checkpoints under ``root``, oldest first (by iteration, then save
+    time). Skipped, with a warning unless ``warn`` is False (while the run saves, one may be in
+    progress): directories without the meta file (the save did not finish) and those whose
+    files no longer match their meta (:func:`damage`): a resume falls back to the one before."""
     found = []
     for path in checkpoint_dirs(root):
         meta = read_meta(path)
@@ -175,6 +198,12 @@ def complete_checkpoints(root: str | Path, warn: bool = True) -> list[tuple[Path
             if warn:
                 _warn_once(f"checkpoint {path} has no {META_FILE}: its save did not finish; "
                            f"ignored")
+            continue
+        broken = damage(path, meta)
+        if broken:
+            if warn:
+                _warn_once(f"checkpoint {path} is damaged ({broken}): ignored, an older one is "
+                           f"used")
             continue
         found.append((path, meta))
     return sorted(found, key=lambda item: (item[1].iteration, item[1].saved_at))
@@ -203,6 +232,9 @@ def resume_point(cfg: RunConfig) -> Optional[ResumePoint]:
     load = Path(cfg.checkpoint.load).expanduser()
     meta = read_meta(load)
     if meta is not None:
+        broken = damage(load, meta)
+        if broken:
+            raise CheckpointError(f"checkpoint.load {load} is damaged: {broken}")
         found: Optional[tuple[Path, Meta]] = (load, meta)
     elif (load / "metadata.json").is_file():  # a Megatron checkpoint whose save did not finish
         raise CheckpointError(f"checkpoint.load {load} has no {META_FILE}: its save did not "
@@ -556,6 +588,8 @@ def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, pl
         config_hash=config_hash(cfg),
         optimizer_format=OPTIMIZER_FORMAT,
         saved_at=time.time(),
+        files={f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
+        if dist.get_rank() == 0 else None,
     )
     error = None
     if dist.get_rank() == 0:

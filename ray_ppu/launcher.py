@@ -213,21 +213,21 @@ class _Interruptions:
     """``worker.run``'s ``interruption``: asked after every iteration on every training rank.
 
     "stop" when the driver has asked the run to stop (its stop file, looked at by rank 0);
-    "save" when Ray Train reports that a node of the run is being drained (polled about every
-    5 s, once per drain). One all-reduce of two flags gives every rank the same answer.
+    "save" when Ray Train reports that a node of the run is being drained (asked as often as
+    Ray Train's drain watcher looks, RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S, default 5 s; once per
+    drain). One all-reduce of two flags gives every rank the same answer.
     """
-
-    POLL_S = 5.0
 
     def __init__(self, stop_file: Path, backend: devices.Backend, watch_preemption: bool) -> None:
         self.stop_file, self.backend = stop_file, backend
         self.watch_preemption = watch_preemption
+        self.poll_s = float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", 5.0))
         self.last_poll = time.monotonic()
 
     def __call__(self, iteration: int) -> Optional[str]:
         rank0 = dist.get_rank() == 0
         poll = (rank0 and self.watch_preemption
-                and time.monotonic() - self.last_poll >= self.POLL_S)
+                and time.monotonic() - self.last_poll >= self.poll_s)
         flags = torch.tensor([float(rank0 and self.stop_file.exists()), float(poll)],
                              device=devices.torch_device(self.backend))
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -238,9 +238,11 @@ class _Interruptions:
             if info is not None:
                 self.watch_preemption = False  # one checkpoint per drain
                 if rank0:
-                    log.warning("nodes %s (ranks %s) are being drained%s", info.preempted_node_ids,
-                                info.preempted_ranks, f", deadline {info.deadline_ms / 1000:.0f}"
-                                if info.deadline_ms else "")
+                    left = (f", {info.deadline_ms / 1000 - time.time():.0f} s before the "
+                            f"deadline" if info.deadline_ms else "")
+                    log.warning("nodes %s (ranks %s) are being drained%s",
+                                [n[:8] for n in info.preempted_node_ids], info.preempted_ranks,
+                                left)
                 return "stop" if stop else "save"
         return "stop" if stop else None
 

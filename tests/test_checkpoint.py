@@ -51,16 +51,18 @@ SAVE = ["checkpoint.save_interval=4"]
 # ---------------------------------------------------------------------------------------------
 
 def _fake_checkpoint(path: Path, iteration: int, complete: bool = True) -> Path:
-    """A checkpoint directory as the finder sees it: Megatron's metadata.json, and our meta
-    file when the save finished (the finder reads nothing else)."""
+    """A checkpoint directory as the finder sees it: Megatron's metadata.json and a shard,
+    and our meta file (listing both) when the save finished."""
     path.mkdir(parents=True)
     (path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (path / "__0_0.distcp").write_bytes(b"\0" * 64)
     if complete:
         meta = checkpoint.Meta(iteration=iteration, consumed_samples=4 * iteration, world_size=2,
                                tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                context_parallel_size=1, data_parallel_size=2,
                                global_batch_size=4, config_hash="x", optimizer_format="dp_reshardable",
-                               saved_at=time.time())
+                               saved_at=time.time(),
+                               files={f.name: f.stat().st_size for f in path.iterdir()})
         (path / checkpoint.META_FILE).write_text(json.dumps(dataclasses.asdict(meta)))
     return path
 
@@ -95,6 +97,17 @@ def test_resume_point_rules(tmp_path, caplog):
     # checkpoint.load naming an unfinished save is an error, not a silent fresh start.
     with pytest.raises(checkpoint.CheckpointError, match="did not finish"):
         checkpoint.resume_point(_cfg(tmp_path / "x", f"checkpoint.load={root / 'iter_0000008'}"))
+    # A finished save whose files changed since (a shard cut short, one gone) is damaged: the
+    # resume falls back to the one before, with a warning; named explicitly, it is an error.
+    _fake_checkpoint(root / "iter_0000012", 12)
+    _fake_checkpoint(root / "iter_0000016", 16)
+    (root / "iter_0000016" / "__0_0.distcp").write_bytes(b"\0" * 10)
+    (root / "iter_0000016" / "metadata.json").unlink()
+    assert checkpoint.resume_point(cfg).iteration == 12
+    assert ("iter_0000016 is damaged (__0_0.distcp has 10 bytes, not 64, metadata.json "
+            "missing): ignored" in caplog.text)
+    with pytest.raises(checkpoint.CheckpointError, match="iter_0000016 is damaged"):
+        checkpoint.resume_point(_cfg(tmp_path / "y", f"checkpoint.load={root / 'iter_0000016'}"))
 
 
 def test_workers_refuse_a_checkpoint_the_streams_did_not_start_from(tmp_path):
@@ -458,68 +471,3 @@ if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: g
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     print(json.dumps({"loss": _loss_of_checkpoint_on_first_batch(sys.argv[1], sys.argv[2:])}))
 
-
-# ---------------------------------------------------------------------------------------------
-# Elastic: fewer workers than planned, then growing back
-# ---------------------------------------------------------------------------------------------
-def _hold_ppus(n: int):
-    """An actor holding ``n`` PPUs of the session cluster (capacity someone else uses)."""
-    import ray
-
-    @ray.remote(num_cpus=0, resources={"PPU": n})
-    class Holder:
-        def ready(self) -> bool:
-            return True
-
-    holder = Holder.remote()
-    ray.get(holder.ready.remote())
-    return holder
-
-
-def _release_after(meta_file: Path, holder, stop: threading.Event, released: list) -> None:
-    """Kill the PPU holder (capacity returns) once ``meta_file`` exists."""
-    import ray
-
-    while not stop.is_set():
-        if meta_file.exists():
-            ray.kill(holder)
-            released.append(time.time())
-            return
-        time.sleep(0.05)
-
-
-@pytest.mark.slow
-def test_elastic_group_starts_small_with_a_spare_and_grows_back(ray_cluster, uninterrupted, corpus,
-                                                                   tmp_path):
-    """num_workers (2, 4) at TP 2 while 1 of the 4 PPUs is taken: Ray Train starts 3 workers,
-    2 train (TP 2 × DP 1) and 1 stays spare, joining the checkpoint reports; once the PPU is
-    free again after the checkpoint at 2, Ray Train grows the group to 4 (TP 2 × DP 2), which
-    resumes from the latest checkpoint with the same global batch. The run trains on exactly
-    the uninterrupted run's samples, and its losses match it (TP 2 vs 1: summation order)."""
-    out = tmp_path / "elastic"
-    cfg, plan = _config(corpus, out, "cluster.num_workers=4", "cluster.min_workers=2",
-                        "parallel.tensor_model_parallel_size=2", "checkpoint.save_interval=2",
-                        "cluster.elastic_resize_interval_s=2")
-    holder = _hold_ppus(1)
-    meta_file = checkpoint.save_root(cfg) / "iter_0000002" / checkpoint.META_FILE
-    stop, released = threading.Event(), []
-    releaser = threading.Thread(target=_release_after, args=(meta_file, holder, stop, released))
-    releaser.start()
-    try:
-        final, _ = _launch(cfg, plan)
-    finally:
-        stop.set()
-        releaser.join()
-    assert released, "the PPU was never released"
-    rows = _rows(out)
-    shapes = [(r["iteration"], r["world_size"], r["data_parallel_size"])
-              for r in rows if "lm_loss" in r]
-    # Started on 2 of 3 workers (DP 1), ended on all 4 (DP 2), resumed from a checkpoint.
-    assert shapes[0] == (1, 2, 1) and shapes[-1] == (ITERS, 4, 2), shapes
-    grown = min(i for i, w, _ in shapes if w == 4)
-    assert grown > 2 and grown - 1 in (2, 4, 6), shapes  # the iteration after a checkpoint
-    assert (final["iteration"], final["world_size"], final["spare_workers"]) == (ITERS, 4, 0)
-    assert read_sample_log(out) == {i: list(range((i - 1) * 4, i * 4)) for i in range(1, ITERS + 1)}
-    ref, got = uninterrupted["curve"], _curve(rows)
-    for key in [*range(1, ITERS + 1), ("valid", 4), ("valid", 8)]:
-        assert got[key] == pytest.approx(ref[key], abs=2e-4), key

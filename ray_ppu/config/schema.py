@@ -245,7 +245,8 @@ class CheckpointConfig:
     save_on_preemption: bool = True
     """When Ray reports that a node of the run is being drained (spot reclaim, maintenance),
     save a checkpoint at the end of the current iteration and keep training (Ray Train then
-    restarts from it when the node goes). Checked about every 5 s; not with spare workers."""
+    restarts from it when the node goes). Checked as often as Ray Train's drain watcher looks
+    (RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S, default 5 s); not in groups with spare workers."""
 
 
 @dataclass(frozen=True)
