@@ -1,41 +1,36 @@
 """The driver side: Ray cluster, preflight checks, and the Ray Train TorchTrainer.
 
-The only module (with ``ray_ppu.data.ray_stream``) that imports Ray. Workers run
-:func:`_train_worker`, which adapts Ray Train (dataset shard, PPU id, reports) to the Ray-free
+With ``ray_ppu.ray_worker`` and ``ray_ppu.data.ray_stream``, the only modules that import
+Ray. Workers run
+:func:`ray_ppu.ray_worker.train_worker`, which adapts Ray Train to the Ray-free
 :func:`ray_ppu.worker.run`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import logging
 import math
 import os
 import signal
-import socket
 import threading
 import time
 import uuid
-import warnings
 from pathlib import Path
-from typing import Optional
 
 import ray
 import ray.train
-import torch
-import torch.distributed as dist
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import checkpoint, devices, recovery
+from ray_ppu import checkpoint, devices, ray_worker, recovery
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, sft_store
 from ray_ppu.data.order import valid_steps
 from ray_ppu.data.ray_stream import IdxmapDataConfig, steps_dataset
-from ray_ppu.plan import ParallelDims, Plan, plan_for_world
+from ray_ppu.plan import ParallelDims, Plan
 
 log = logging.getLogger("ray_ppu")
 
@@ -104,147 +99,17 @@ def _prepare_index(spec: idxmap.SampleSpec) -> dict[str, int]:
     return idxmap.prepare(spec)
 
 
-def assigned_device_id(resource_name: str) -> int:
-    """The PPU id Ray assigned this worker; LOCAL_RANK (with a warning) when Ray has none."""
-    ids: list = []
-    try:  # private API (DESIGN.md §4): ids exist only when the raylet knows PPU as a unit resource
-        worker = ray._private.worker.global_worker
-        ids = worker.get_accelerator_ids_for_accelerator_resource(
-            resource_name, rf"^{resource_name}_group_[0-9A-Za-z]+$"
-        )
-    except Exception as err:  # pragma: no cover - depends on Ray internals
-        log.debug("no %s ids from Ray: %s", resource_name, err)
-    if ids:
-        return int(ids[0])
-    local_rank = ray.train.get_context().get_local_rank()
-    log.warning(
-        "Ray assigned no %s ids to this worker (start raylets with "
-        "RAY_custom_unit_instance_resources including %s); using local rank %d",
-        resource_name, resource_name, local_rank,
-    )
-    return local_rank
+class FailureRecorder(ray.train.UserCallback):
+    """Runs in the Ray Train controller: writes down each worker-group failure (cause, ranks,
+    time) for the next group's rank 0 to report as a restart (ray_ppu.recovery)."""
 
+    def __init__(self, root: Path, token: str) -> None:
+        self.root, self.token = root, token
 
-def _quiet_worker_logs() -> None:
-    """Our progress lines once each; Ray Train's per-report INFO lines and Megatron's
-    per-parameter listings off (they drown the progress report in the job log)."""
-    ours = logging.getLogger("ray_ppu")
-    if not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
-    from ray.train.v2._internal.execution import context as train_context
-
-    # Ray Train logs every report at INFO under its file's path as the logger name.
-    for name in ("ray.train", "megatron.core", train_context.__file__):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    # Megatron's "Apex/TE not installed, falling back" and torch's c10d deprecation notices
-    # repeat on every rank; they say nothing the run can act on.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
-
-
-def _train_worker(payload: dict) -> dict:
-    """Ray Train's train_loop_per_worker: adapt Ray to :func:`ray_ppu.worker.run`."""
-    from ray_ppu import worker
-
-    _quiet_worker_logs()
-    cfg: RunConfig = payload["cfg"]
-    backend: devices.Backend = payload["backend"]
-    token: str = payload["token"]
-    context = ray.train.get_context()
-    world = context.get_world_size()
-    # An elastic group can be smaller than planned, and any size: the workers past the last
-    # whole model replica (or past a DP size that divides the global batch) stay spare.
-    plan: Plan = payload["plan"] if world == payload["plan"].world_size else plan_for_world(cfg, world)
-    if context.get_world_rank() == 0 and world != cfg.cluster.num_workers:
-        log.warning("worker group of %d (of %d planned): TP %d × CP %d × PP %d × DP %d = %d train "
-                    "with %d microbatches per rank, %d spare", world, cfg.cluster.num_workers,
-                    plan.tensor_model_parallel_size, plan.context_parallel_size,
-                    plan.pipeline_model_parallel_size, plan.data_parallel_size, plan.world_size,
-                    plan.num_microbatches, plan.spare_workers)
-
-    def stream(split: str):  # None on ranks that read no data
-        shard = ray.train.get_dataset_shard(split)
-        if shard is None:
-            return None
-        return iter(shard.iter_batches(batch_size=plan.micro_batch_size, batch_format="numpy",
-                                       prefetch_batches=cfg.data.prefetch_batches))
-
-    # Where this group starts: the decision the dataset factories made moments ago in the
-    # controller, made again here from the same files, and checked against their record
-    # (ray_ppu.checkpoint's docstring: the two must agree or the data would be misaligned).
-    resume = checkpoint.resume_point(cfg)
-    start_iteration = checkpoint.check_stream_start(cfg, token, resume)
-    _check_against_ray(cfg, resume)
-    if plan.spare_workers and not _leave_spares_out(plan.world_size):
-        return _idle_as_spare(cfg, token, start_iteration)
-    batches = stream("train")
-    valid_batches = stream("valid") if plan.eval_iters else None
-    # As many compute threads as CPUs Ray reserved for this worker (torchrun sets
-    # OMP_NUM_THREADS=1 likewise); torch's default, every core, oversubscribes the node.
-    torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
-    device_id = assigned_device_id(cfg.cluster.resource_name) if backend == "ppu" else 0
-    # No ray.train.report per log line: Ray Train drains one report per health-check interval
-    # (2 s), so frequent reports would throttle training. Metrics go to metrics.jsonl and
-    # TensorBoard; the final metrics come back as the run's return value. Checkpoints are
-    # reported (save points only), so Ray Train knows them and deletes the oldest.
-    root = checkpoint.save_root(cfg)
-    interruption = _Interruptions(root / f"{_STOP}{token}", backend,
-                                  # get_preemption_info is a barrier over every worker, and the
-                                  # spares do not follow the iterations
-                                  watch_preemption=cfg.checkpoint.save_on_preemption
-                                  and not plan.spare_workers)
-    final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
-                       resume, on_checkpoint=_report_checkpoint,
-                       failures=recovery.failures(root, token), interruption=interruption)
-    if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
-        (checkpoint.save_root(cfg) / f"{_FINISHED}{token}").touch()
-    return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}
-
-
-_FINISHED = "finished_"  # + launch token: the active ranks are done (spares stop waiting)
-_STOP = "stop_"  # + launch token: the driver asks the workers to save and stop
-
-
-class _Interruptions:
-    """``worker.run``'s ``interruption``: asked after every iteration on every training rank.
-
-    "stop" when the driver has asked the run to stop (its stop file, looked at by rank 0);
-    "save" when Ray Train reports that a node of the run is being drained (asked as often as
-    Ray Train's drain watcher looks, RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S, default 5 s; once per
-    drain). One all-reduce of two flags gives every rank the same answer.
-    """
-
-    def __init__(self, stop_file: Path, backend: devices.Backend, watch_preemption: bool) -> None:
-        self.stop_file, self.backend = stop_file, backend
-        self.watch_preemption = watch_preemption
-        self.poll_s = float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", 5.0))
-        self.last_poll = time.monotonic()
-
-    def __call__(self, iteration: int) -> Optional[str]:
-        rank0 = dist.get_rank() == 0
-        poll = (rank0 and self.watch_preemption
-                and time.monotonic() - self.last_poll >= self.poll_s)
-        flags = torch.tensor([float(rank0 and self.stop_file.exists()), float(poll)],
-                             device=devices.torch_device(self.backend))
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop, poll = bool(flags[0]), bool(flags[1])
-        if poll:  # every rank calls it: Ray Train agrees on one answer across the workers
-            self.last_poll = time.monotonic()
-            info = ray.train.get_preemption_info()
-            if info is not None:
-                self.watch_preemption = False  # one checkpoint per drain
-                if rank0:
-                    left = (f", {info.deadline_ms / 1000 - time.time():.0f} s before the "
-                            f"deadline" if info.deadline_ms else "")
-                    log.warning("nodes %s (ranks %s) are being drained%s",
-                                [n[:8] for n in info.preempted_node_ids], info.preempted_ranks,
-                                left)
-                return "stop" if stop else "save"
-        return "stop" if stop else None
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        failure = recovery.record_failure(self.root, self.token, worker_exceptions)
+        log.warning("worker group failed (%s); Ray Train restarts it if "
+                    "cluster.max_failures allows", failure.cause)
 
 
 class _GracefulStop:
@@ -270,95 +135,6 @@ class _GracefulStop:
         timer.start()
 
 
-def _leave_spares_out(active: int) -> bool:
-    """Re-form the default process group from world ranks ``0 .. active-1`` only (Megatron's
-    groups are cut from the default group's size); True on those ranks, False on spares.
-
-    The new rendezvous port is chosen by rank 0 and shared over a gloo group (with NCCL the
-    default group would need a bound device, which comes later).
-    """
-    rank = dist.get_rank()
-    port = [_free_port() if rank == 0 else None]
-    dist.broadcast_object_list(port, src=0, group=dist.new_group(backend="gloo"))
-    backend = dist.get_backend()
-    dist.destroy_process_group()
-    if rank >= active:
-        return False
-    dist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port[0]}",
-                            rank=rank, world_size=active, timeout=datetime.timedelta(minutes=30))
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
-def _idle_as_spare(cfg: RunConfig, token: str, start_iteration: int) -> dict:
-    """A spare worker's whole job: join every checkpoint report of the active ranks (Ray
-    Train's report is a barrier over all workers of the group) until they finish."""
-    root = checkpoint.save_root(cfg)
-    reported = start_iteration  # complete checkpoints up to here predate this group
-    while True:
-        finished = (root / f"{_FINISHED}{token}").exists()  # read first: then the last report
-        for path, meta in checkpoint.complete_checkpoints(root, warn=False):  # is seen below
-            if meta.iteration > reported:
-                _report_checkpoint(path, {"iteration": meta.iteration}, rank0=False)
-                reported = meta.iteration
-        if finished:
-            return {}
-        time.sleep(0.5)
-
-
-class FailureRecorder(ray.train.UserCallback):
-    """Runs in the Ray Train controller: writes down each worker-group failure (cause, ranks,
-    time) for the next group's rank 0 to report as a restart (ray_ppu.recovery)."""
-
-    def __init__(self, root: Path, token: str) -> None:
-        self.root, self.token = root, token
-
-    def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        failure = recovery.record_failure(self.root, self.token, worker_exceptions)
-        log.warning("worker group failed (%s); Ray Train restarts it if "
-                    "cluster.max_failures allows", failure.cause)
-
-
-def _report_checkpoint(path: Path, metrics: dict, rank0: Optional[bool] = None) -> None:
-    """Register a complete checkpoint with Ray Train; every rank calls it (report is a barrier).
-
-    The checkpoint is one directory all ranks wrote into, already inside Ray Train's run
-    directory (checkpoint.save_root): only rank 0 names it, and NO_UPLOAD registers it where it
-    is instead of copying it (Ray 2.60 accepts that only for directories under the run's
-    storage path, and requires every rank that names a checkpoint to name the same path).
-    """
-    if rank0 is None:
-        rank0 = ray.train.get_context().get_world_rank() == 0
-    ray.train.report(
-        {**metrics, "checkpoint": path.name},
-        checkpoint=ray.train.Checkpoint.from_directory(str(path)) if rank0 else None,
-        checkpoint_dir_name=path.name,
-        checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
-    )
-
-
-def _check_against_ray(cfg: RunConfig, resume) -> None:
-    """Our save root must be Ray Train's run directory (or Ray would not register our
-    checkpoints); and say so when Ray's latest registered checkpoint is not the one we load."""
-    storage = ray.train.get_context().get_storage()
-    ray_dir = Path(storage.experiment_fs_path).resolve()
-    if ray_dir != checkpoint.save_root(cfg):
-        raise checkpoint.CheckpointError(f"Ray Train's run directory {ray_dir} is not the "
-                                         f"checkpoint root {checkpoint.save_root(cfg)}")
-    registered = ray.train.get_checkpoint()
-    if registered is not None and (resume is None
-                                   or Path(registered.path).resolve() != Path(resume.path)):
-        # Ray's is newer but incomplete (no meta file), or ours is newer than Ray's (the group
-        # died between writing it and Ray registering it): the complete one on disk wins.
-        log.warning("Ray Train's latest checkpoint is %s; starting from the latest complete "
-                    "one, %s", registered.path, resume.path if resume else "none (from scratch)")
-
-
 def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
                   spec: idxmap.SampleSpec, token: str = "") -> TorchTrainer:
     """TorchTrainer with one worker per PPU, the idxmap stream, checkpoints and the failure
@@ -373,7 +149,7 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
     if plan.eval_iters:
         datasets["valid"] = steps_dataset(valid_steps(plan), start=functools.partial(start, "valid"))
     return TorchTrainer(
-        _train_worker,
+        ray_worker.train_worker,
         train_loop_config={"cfg": cfg, "plan": plan, "backend": backend, "token": token},
         # Explicit: TorchConfig(backend=None) would pick gloo for a custom resource like PPU.
         torch_config=TorchConfig(backend=devices.dist_backend(backend)),
@@ -429,7 +205,7 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     # it is Ctrl-C: Ray Train's abort of the worker group). Only the main thread can set
     # handlers (a launch from another thread, as in tests, keeps the default).
     token = uuid.uuid4().hex
-    graceful = _GracefulStop(checkpoint.save_root(cfg) / f"{_STOP}{token}",
+    graceful = _GracefulStop(checkpoint.save_root(cfg) / f"{ray_worker.STOP}{token}",
                              cfg.checkpoint.stop_timeout_s)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, graceful) if main else None
