@@ -57,3 +57,12 @@ def qwen2_tokenizer_dir(tmp_path_factory):
     from ray_ppu.data.tokenizer import export_qwen2_tokenizer
 
     return export_qwen2_tokenizer(tmp_path_factory.mktemp("qwen2_hf") / "tokenizer")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(ray_cluster, corpus, tmp_path_factory):
+    """The checkpoint and fault tests' reference run (DP 2, saving every 4, nothing going
+    wrong), which the training tests also compare with DP 1: one run for all of them."""
+    from test_checkpoint import uninterrupted_run
+
+    return uninterrupted_run(corpus, tmp_path_factory.mktemp("uninterrupted"))

@@ -202,11 +202,6 @@ def _launch(cfg, plan):
         logger.setLevel(level)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, corpus, tmp_path_factory):
-    return uninterrupted_run(corpus, tmp_path_factory.mktemp("uninterrupted"))
-
-
 def uninterrupted_run(corpus, out) -> dict:
     """The reference: 8 iterations on 2 workers (DP 2), saving every 4, nothing going wrong."""
     cfg, plan = _config(corpus, out, "cluster.num_workers=2")

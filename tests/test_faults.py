@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-# the checkpoint tests' run settings, metrics readers, worker finder and reference run
-from test_checkpoint import _config, _curve, _launch, _rows, _train_workers, uninterrupted_run
+# the checkpoint tests' run settings, metrics readers and worker finder (their reference
+# run is the session fixture `uninterrupted`, conftest.py)
+from test_checkpoint import _config, _curve, _launch, _rows, _train_workers
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS, GBS = 8, 4
@@ -162,11 +163,6 @@ def test_elastic_group_shrinks_and_grows(elastic_run):
 # ---------------------------------------------------------------------------------------------
 # On the session's single-node cluster: a worker killed during a save; a full checkpoint disk
 # ---------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, corpus, tmp_path_factory):
-    return uninterrupted_run(corpus, tmp_path_factory.mktemp("uninterrupted"))
-
 SAVE_EVERY_2 = ("cluster.num_workers=2", "cluster.max_failures=1", "checkpoint.save_interval=2")
 EXPECTED_IDS = {i: list(range((i - 1) * GBS, i * GBS)) for i in range(1, ITERS + 1)}
 

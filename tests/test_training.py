@@ -74,8 +74,10 @@ def assert_falls(curve):
     assert valid[1] < valid[0], curve  # held-out loss improves between the two passes
 
 
-def test_dp2_trains_like_dp1(baseline, corpus, tmp_path):
-    dp2 = train_on_ray(corpus, tmp_path, "cluster.num_workers=2")
+def test_dp2_trains_like_dp1(baseline, uninterrupted):
+    # the checkpoint tests' reference run: these settings on 2 workers (and saving every 4)
+    dp2 = losses(uninterrupted["cfg"].output.dir)
+    assert uninterrupted["final"]["consumed_samples"] == ITERS * 4
     assert_falls(dp2)
     # Same global batch: 2 ranks × 2 microbatches vs 1 rank × 4; only summation order differs.
     # The validation losses match too: the same held-out samples whatever the DP size.
