@@ -228,32 +228,43 @@ def _train_workers() -> list:
     return workers
 
 
-def _kill_a_worker_after(meta_file: Path, stop: threading.Event, killed: list) -> None:
-    """SIGKILL one training worker as soon as ``meta_file`` exists (the checkpoint is complete):
-    the group dies in the middle of the iterations after it."""
-    while not stop.is_set():
-        if meta_file.exists():
-            workers = _train_workers()
-            if workers:
-                workers[0].kill()
-                killed.append(workers[0].pid)
-                return
-        time.sleep(0.01)
+def launch_while(cfg, plan, action) -> tuple[dict, list[str]]:
+    """Launch the run while ``action(stop)`` runs in a thread (a fault to inject; it must
+    return once ``stop`` is set, when the run is over); returns ``_launch``'s result."""
+    stop = threading.Event()
+    thread = threading.Thread(target=action, args=(stop,))
+    thread.start()
+    try:
+        return _launch(cfg, plan)
+    finally:
+        stop.set()
+        thread.join()
+
+
+def kill_a_worker_after(meta_file: Path, killed: list):
+    """A ``launch_while`` action: SIGKILL one training worker as soon as ``meta_file`` exists
+    (the checkpoint is complete): the group dies in the middle of the iterations after it."""
+
+    def action(stop: threading.Event) -> None:
+        while not stop.is_set():
+            if meta_file.exists():
+                workers = _train_workers()
+                if workers:
+                    workers[0].kill()
+                    killed.append(workers[0].pid)
+                    return
+            time.sleep(0.01)
+
+    return action
 
 
 @pytest.fixture(scope="module")
 def interrupted(ray_cluster, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("interrupted")
     cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=1")
-    meta_file = checkpoint.save_root(cfg) / "iter_0000004" / checkpoint.META_FILE
-    stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_a_worker_after, args=(meta_file, stop, killed))
-    killer.start()
-    try:
-        final, _ = _launch(cfg, plan)
-    finally:
-        stop.set()
-        killer.join()
+    killed: list = []
+    final, _ = launch_while(cfg, plan, kill_a_worker_after(
+        checkpoint.save_root(cfg) / "iter_0000004" / checkpoint.META_FILE, killed))
     assert killed, "no worker was killed: the interruption did not happen"
     rows = _rows(out)
     # What the dataset factories chose when Ray Train restarted the group (the first start

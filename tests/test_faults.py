@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pytest
 
 # the checkpoint tests' run settings, metrics readers and worker finder (their reference
 # run is the session fixture `uninterrupted`, conftest.py)
-from test_checkpoint import _config, _curve, _launch, _rows, _train_workers
+from test_checkpoint import _config, _curve, _rows, _train_workers, launch_while
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS, GBS = 8, 4
@@ -187,9 +186,9 @@ def test_worker_killed_during_a_save(ray_cluster, uninterrupted, corpus, tmp_pat
     out = tmp_path / "killed_in_save"
     cfg, plan = _config(corpus, out, *SAVE_EVERY_2)
     partial = checkpoint.save_root(cfg) / "iter_0000004"
-    stop, killed = threading.Event(), []
+    killed = []
 
-    def kill_in_save() -> None:
+    def kill_in_save(stop) -> None:
         while not stop.is_set():
             if partial.is_dir() and not (partial / checkpoint.META_FILE).exists():
                 workers = _train_workers()
@@ -199,13 +198,7 @@ def test_worker_killed_during_a_save(ray_cluster, uninterrupted, corpus, tmp_pat
                     return
             time.sleep(0.005)
 
-    killer = threading.Thread(target=kill_in_save)
-    killer.start()
-    try:
-        final, messages = _launch(cfg, plan)
-    finally:
-        stop.set()
-        killer.join()
+    final, _ = launch_while(cfg, plan, kill_in_save)
     assert killed == [True], "no worker was killed while the save was unfinished"
     rows = _rows(out)
     restart = [r for r in rows if r.get("event") == "restart"]
@@ -254,9 +247,9 @@ def test_full_checkpoint_disk(ray_cluster, uninterrupted, corpus, small_disk, tm
     cfg, plan = _config(corpus, out, *SAVE_EVERY_2)
     root = small_disk(checkpoint.save_root(cfg))  # the run's checkpoints live on a small disk
     filler = root / "filler"
-    stop, events = threading.Event(), {}
+    events = {}
 
-    def fill_then_free() -> None:
+    def fill_then_free(stop) -> None:
         while not stop.is_set() and not (root / "iter_0000002" / checkpoint.META_FILE).exists():
             time.sleep(0.01)
         if stop.is_set():
@@ -274,13 +267,7 @@ def test_full_checkpoint_disk(ray_cluster, uninterrupted, corpus, small_disk, tm
                 return
             time.sleep(0.05)
 
-    thread = threading.Thread(target=fill_then_free)
-    thread.start()
-    try:
-        final, _ = _launch(cfg, plan)
-    finally:
-        stop.set()
-        thread.join()
+    final, _ = launch_while(cfg, plan, fill_then_free)
     assert "filled" in events and "freed" in events, events
     rows = _rows(out)
     failed = [r for r in rows if r.get("event") == "checkpoint_failed"]

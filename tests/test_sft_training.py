@@ -4,7 +4,6 @@ and position ids really isolate samples), and a packed TP=2 run under Ray Train 
 import json
 import os
 import random
-import threading
 
 import pytest
 import torch
@@ -156,10 +155,9 @@ def test_packed_sft_at_tp2_learns_and_resumes_exactly_under_ray_train(
     """A packed TP=2 SFT run whose worker is SIGKILLed right after the checkpoint at 6: Ray
     Train restarts the group, it resumes at 6, and the run trains on exactly the rows an
     uninterrupted run does (by id, from the sample log), and learns."""
-    from test_checkpoint import _kill_a_worker_after
+    from test_checkpoint import kill_a_worker_after, launch_while
 
     from ray_ppu import checkpoint
-    from ray_ppu.launcher import launch
     from ray_ppu.metrics import read_sample_log
     from ray_ppu.run import absolute_paths, prepare_output
 
@@ -170,15 +168,9 @@ def test_packed_sft_at_tp2_learns_and_resumes_exactly_under_ray_train(
     plan = build_plan(cfg)
     assert plan.lr_decay_iters == 12 - 2  # SFT: decay = train - warmup (the reference)
     prepare_output(cfg, plan)
-    meta_file = checkpoint.save_root(cfg) / "iter_0000006" / checkpoint.META_FILE
-    stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_a_worker_after, args=(meta_file, stop, killed))
-    killer.start()
-    try:
-        final = launch(cfg, plan)
-    finally:
-        stop.set()
-        killer.join()
+    killed: list = []
+    final, _ = launch_while(cfg, plan, kill_a_worker_after(
+        checkpoint.save_root(cfg) / "iter_0000006" / checkpoint.META_FILE, killed))
     assert killed, "no worker was killed: the interruption did not happen"
     assert (final["iteration"], final["restarts"]) == (12, 1)
     with open(os.path.join(cfg.output.dir, "metrics.jsonl")) as f:
