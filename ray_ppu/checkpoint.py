@@ -509,6 +509,10 @@ class CheckpointSaveError(CheckpointError):
     """A save failed on some rank (full disk, storage gone): raised on every rank alike, after
     the partial directory is removed; training can go on and try again at the next save."""
 
+    def __init__(self, message: str, iteration: int) -> None:
+        super().__init__(message)
+        self.iteration = iteration
+
 
 def _write_error(err: BaseException) -> str:
     """One line per distinct cause: torch's CheckpointException (a BaseException) wraps each
@@ -539,65 +543,126 @@ def _agree_saved(path: Path, iteration: int, error: Optional[str]) -> None:
     causes = list(dict.fromkeys(failed.values()))  # distinct, in rank order
     raise CheckpointSaveError(
         f"checkpoint at iteration {iteration} not saved: {len(failed)} of {len(errors)} ranks "
-        f"failed to write {path} (rank {min(failed)}: {'; '.join(causes)[:500]})")
+        f"failed to write {path} (rank {min(failed)}: {'; '.join(causes)[:500]})", iteration)
+
+
+class Saver:
+    """Writes a run's checkpoints; collective: every rank calls the same methods in order.
+
+    Synchronous by default: :meth:`save` returns when the checkpoint is complete. With
+    ``async_save`` (Megatron's async strategy) :meth:`save` only stages the state (on PPUs a
+    copy to host memory; on the CPU a forked writer's copy-on-write view) and a background
+    process writes it while training goes on; :meth:`poll`, after every iteration, completes
+    the saves whose writers have all finished, :meth:`wait` all of them.
+
+    Each method returns the checkpoints it completed, as ``(path, meta, tag)`` (``tag``: what
+    the caller passed to :meth:`save`), or raises :class:`CheckpointSaveError` (on every rank
+    alike) for one that failed.
+
+    Completing a save: all ranks agree every part was written (else the directory goes and
+    the error is raised), then rank 0 writes ``ray_ppu_meta.json`` (listing the files), the
+    mark of a complete checkpoint, and a last agreement makes it complete everywhere.
+    """
+
+    def __init__(self, root: str | Path, plan, cfg: RunConfig, with_cuda_rng: bool = False,
+                 async_save: bool = False) -> None:
+        self.root, self.plan, self.cfg = Path(root), plan, cfg
+        self.with_cuda_rng = with_cuda_rng
+        self.queue = None
+        if async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue()
+        self.pending: dict[int, tuple] = {}  # async call index → (path, iteration, tag)
+
+    def save(self, iteration: int, model: list, optimizer, scheduler, tag=None) -> list[tuple]:
+        """Start (async) or write (sync) the checkpoint after ``iteration`` iterations.
+
+        1. Rank 0 creates a fresh ``iter_…`` directory; every rank learns its name.
+        2. Every rank writes (or stages) its shards of model, optimizer and RNG states
+           (torch_dist; replicated tensors spread over the DP ranks); rank 0 the common part.
+        3. Sync: complete it now. Async: complete it in a later :meth:`poll`.
+        """
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.dist_checkpointing.serialization import (
+            get_default_save_sharded_strategy,
+        )
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        path = _new_dir(self.root, iteration)
+        state = _sharded_state(model, optimizer, is_loading=False)
+        state["scheduler"] = scheduler.state_dict()
+        state["iteration"] = iteration
+        state["consumed_samples"] = consumed_samples(iteration, self.plan.global_batch_size)
+        state["rng_state"] = _rng_sharded(self.with_cuda_rng)
+        strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("torch_dist"),
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
+        )
+        error = request = None
+        try:  # a full disk, a lost mount: any write error (torch's is a BaseException)
+            request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy,
+                                              async_sharded_save=self.queue is not None)
+        except (Exception, CheckpointException) as err:
+            error = _write_error(err)
+        if self.queue is None or error is not None:
+            return [self._complete(path, iteration, tag, error)]
+        self.pending[self.queue.schedule_async_request(request)] = (path, iteration, tag)
+        return []
+
+    def poll(self, blocking: bool = False) -> list[tuple]:
+        """Complete the background saves whose writers finished on every rank (all of them,
+        waiting, with ``blocking``)."""
+        if self.queue is None or not self.pending:
+            return []
+        try:
+            finished = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except (Exception, CheckpointException) as err:
+            # Megatron finalizes in order and raises on every rank: the oldest one failed
+            path, iteration, tag = self.pending.pop(min(self.pending))
+            return [self._complete(path, iteration, tag, _write_error(err))]
+        return [self._complete(*self.pending.pop(i)) for i in finished]
+
+    def wait(self) -> list[tuple]:
+        """Complete every background save (end of training)."""
+        return self.poll(blocking=True)
+
+    def _complete(self, path: Path, iteration: int, tag, error: Optional[str] = None) -> tuple:
+        _agree_saved(path, iteration, error)
+        plan = self.plan
+        meta = Meta(
+            iteration=iteration,
+            consumed_samples=consumed_samples(iteration, plan.global_batch_size),
+            world_size=dist.get_world_size(),
+            tensor_model_parallel_size=plan.tensor_model_parallel_size,
+            pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+            context_parallel_size=plan.context_parallel_size,
+            data_parallel_size=plan.data_parallel_size,
+            global_batch_size=plan.global_batch_size,
+            config_hash=config_hash(self.cfg),
+            optimizer_format=OPTIMIZER_FORMAT,
+            saved_at=time.time(),
+            files={f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
+            if dist.get_rank() == 0 else None,
+        )
+        error = None
+        if dist.get_rank() == 0:
+            try:
+                _write_atomic(path / META_FILE, json.dumps(dataclasses.asdict(meta), indent=2))
+            except OSError as err:
+                error = f"{type(err).__name__}: {err}"
+        _agree_saved(path, iteration, error)  # also the barrier: complete on every rank now
+        return path, meta, tag
 
 
 def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, plan,
          cfg: RunConfig, with_cuda_rng: bool = False) -> tuple[Path, Meta]:
-    """Write a checkpoint after ``iteration`` iterations; collective. Returns its directory.
-
-    1. Rank 0 creates a fresh ``iter_…`` directory under ``root``; every rank learns its name.
-    2. Every rank writes its shards of model, optimizer and RNG states (torch_dist format;
-       replicated tensors spread over the DP ranks); rank 0 writes the common part.
-    3. All ranks agree it worked; if not, the partial directory goes and every rank raises
-       :class:`CheckpointSaveError` (nothing was marked complete: resumes never see it).
-    4. Rank 0 writes ``ray_ppu_meta.json``, the mark of a complete checkpoint; barrier: when
-       this returns on any rank, the checkpoint is complete.
-    """
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-        FullyParallelSaveStrategyWrapper,
-    )
-
-    path = _new_dir(Path(root), iteration)
-    state = _sharded_state(model, optimizer, is_loading=False)
-    state["scheduler"] = scheduler.state_dict()
-    state["iteration"] = iteration
-    state["consumed_samples"] = consumed_samples(iteration, plan.global_batch_size)
-    state["rng_state"] = _rng_sharded(with_cuda_rng)
-    strategy = FullyParallelSaveStrategyWrapper(
-        get_default_save_sharded_strategy("torch_dist"),
-        parallel_state.get_data_parallel_group(with_context_parallel=True),
-    )
-    error = None
-    try:
-        dist_checkpointing.save(state, str(path), sharded_strategy=strategy)
-    except (Exception, CheckpointException) as err:  # a full disk, a lost mount: any write error
-        error = _write_error(err)
-    _agree_saved(path, iteration, error)
-    meta = Meta(
-        iteration=iteration,
-        consumed_samples=consumed_samples(iteration, plan.global_batch_size),
-        world_size=dist.get_world_size(),
-        tensor_model_parallel_size=plan.tensor_model_parallel_size,
-        pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
-        context_parallel_size=plan.context_parallel_size,
-        data_parallel_size=plan.data_parallel_size,
-        global_batch_size=plan.global_batch_size,
-        config_hash=config_hash(cfg),
-        optimizer_format=OPTIMIZER_FORMAT,
-        saved_at=time.time(),
-        files={f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
-        if dist.get_rank() == 0 else None,
-    )
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            _write_atomic(path / META_FILE, json.dumps(dataclasses.asdict(meta), indent=2))
-        except OSError as err:
-            error = f"{type(err).__name__}: {err}"
-    _agree_saved(path, iteration, error)  # also the barrier: complete on every rank now
+    """Write a complete checkpoint after ``iteration`` iterations now (:class:`Saver`,
+    synchronous); collective. Returns its directory and meta."""
+    (path, meta, _), = Saver(root, plan, cfg, with_cuda_rng).save(iteration, model, optimizer,
+                                                                  scheduler)
     return path, meta
 
 

@@ -49,9 +49,11 @@ def run(
     2. Megatron parallel groups and seeds on the existing process group.
     3. GPTModel chunks in Megatron DDP; Megatron optimizer and LR schedule.
     4. Load ``resume`` (weights, optimizer, schedule, RNG); check it starts where the data does.
-    5. The loop, saving every ``checkpoint.save_interval`` iterations and at the end; rank 0
-       writes metrics.jsonl (training, validation, checkpoint and restart rows), TensorBoard
-       and the progress line; data-reading ranks write their sample log when asked.
+    5. The loop, saving every ``checkpoint.save_interval`` iterations, at the end and when
+       interrupted (in the background with ``checkpoint.async_save``: completed after later
+       iterations, all before returning); rank 0 writes metrics.jsonl (training, validation,
+       checkpoint and restart rows), TensorBoard and the progress line; data-reading ranks
+       write their sample log when asked.
     6. Tear down the parallel groups (the process group belongs to the caller).
     """
     from ray_ppu.model import build_model, packed_format
@@ -74,8 +76,12 @@ def run(
                           "world_size": plan.world_size, "data_parallel_size": plan.data_parallel_size}
                          if "lm_loss" in metrics else metrics)
 
+    polls: list = []  # completes finished background saves (set once the saver exists)
+
     def on_iteration(done: int, sample_ids: Optional[list]) -> Optional[str]:
         nonlocal restart_pending
+        for poll in polls:
+            poll()
         if samples is not None and sample_ids is not None:
             samples.write(done, sample_ids)
         if restart_pending and writer is not None:  # the restarted group's first iteration
@@ -110,27 +116,42 @@ def run(
             if rank0:  # after the load: the resume decision was made before this group began
                 checkpoint.remove_incomplete(root)
 
-            def on_save(iteration: int, metrics: dict) -> None:
-                start = time.perf_counter()
+            saver = checkpoint.Saver(root, plan, cfg, with_cuda_rng=backend == "ppu",
+                                     async_save=cfg.checkpoint.async_save)
+
+            def saving(step: Callable[[], list]) -> None:
+                """Run a save step (start, poll, wait); log, report and keep what it completed,
+                or log and count a failed save (the same on every rank)."""
                 try:
-                    path, _ = checkpoint.save(root, iteration, model, optimizer, scheduler, plan,
-                                              cfg, with_cuda_rng=backend == "ppu")
-                except checkpoint.CheckpointSaveError as err:  # same on every rank
+                    completed = step()
+                except checkpoint.CheckpointSaveError as err:
                     counts["checkpoint_failures"] += 1
-                    on_log({"event": "checkpoint_failed", "iteration": iteration,
+                    on_log({"event": "checkpoint_failed", "iteration": err.iteration,
                             "error": str(err), **counts})
                     return
-                on_log({"event": "checkpoint", "iteration": iteration, "checkpoint": path.name,
-                        "path": str(path), "checkpoint_time_s": time.perf_counter() - start})
-                if on_checkpoint is not None:
-                    on_checkpoint(path, metrics)
-                elif rank0:
-                    checkpoint.prune(root, cfg.checkpoint.keep_last)
+                for path, meta, tag in completed:
+                    took = time.perf_counter() - tag["started"]
+                    on_log({"event": "checkpoint", "iteration": meta.iteration,
+                            "checkpoint": path.name, "path": str(path), "checkpoint_time_s": took,
+                            # what training waited: all of it, unless checkpoint.async_save
+                            "save_blocking_s": tag["blocked_s"] or took})
+                    if on_checkpoint is not None:
+                        on_checkpoint(path, tag["metrics"])
+                    elif rank0:
+                        checkpoint.prune(root, cfg.checkpoint.keep_last)
 
+            def on_save(iteration: int, metrics: dict) -> None:
+                tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
+                saving(lambda: saver.save(iteration, model, optimizer, scheduler, tag=tag))
+                # async: the state is staged and training goes on (sync: already complete)
+                tag["blocked_s"] = time.perf_counter() - tag["started"]
+
+            polls.append(lambda: saving(saver.poll))
             final = train(plan, model, optimizer, scheduler, batches,
                           devices.torch_device(backend), cfg.training.log_interval, on_log,
                           start_iteration, valid_batches, cfg.checkpoint.save_interval, on_save,
                           on_iteration, packed_format(plan, backend))
+            saving(saver.wait)  # background saves finish (and are reported) before returning
             return {**final, **counts}
         finally:
             parallel.destroy()

@@ -363,7 +363,9 @@ def resharded(interrupted, corpus, tmp_path_factory):
     _hardlink_tree(source / "iter_0000008", pool / "iter_0000008",
                    drop=(checkpoint.META_FILE, "__1_0.distcp"))
     out = tmp_path_factory.mktemp("resharded")
-    cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={pool}")
+    # saving in the background (Megatron's async writer): the fine-tune test loads the result
+    cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={pool}",
+                        "checkpoint.async_save=true")
     final, messages = _launch(cfg, plan)
     rows = _rows(out)
     return {"cfg": cfg, "pool": pool, "final": final, "rows": rows, "curve": _curve(rows),
@@ -396,8 +398,9 @@ def test_incomplete_checkpoint_is_ignored(resharded):
 
 
 @pytest.fixture(scope="module")
-def finetuned(uninterrupted, corpus, tmp_path_factory):
-    saved = checkpoint.save_root(uninterrupted["cfg"]) / "iter_0000008"
+def finetuned(resharded, corpus, tmp_path_factory):
+    # the resharded run's final checkpoint: written in the background, at DP 1
+    saved = checkpoint.save_root(resharded["cfg"]) / "iter_0000008"
     out = tmp_path_factory.mktemp("finetuned")
     cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={saved}",
                         "checkpoint.finetune=true", "training.train_iters=2")
@@ -421,17 +424,28 @@ def test_finetune_loads_weights_only(uninterrupted, finetuned, corpus, tmp_path)
     assert checkpoint.latest(checkpoint.save_root(finetuned["cfg"]))[1].iteration == 2
     # The first loss is the saved model's loss on global batch 0, measured in a separate
     # process that loads the checkpoint the way a full resume does.
+    saved_model_loss = _measured_loss(finetuned["saved"], corpus, tmp_path / "eval")
+    assert train[0]["lm_loss"] == pytest.approx(saved_model_loss, abs=1e-5)
+    # …which is a trained model's loss, far below the ~11.9 of fresh weights: the model after
+    # 8 iterations, as the synchronously saved DP 2 reference holds it (the background writer
+    # saved the state of its iteration, not a later one).
+    assert train[0]["lm_loss"] < uninterrupted["curve"][1] - 1.0
+    reference = checkpoint.save_root(uninterrupted["cfg"]) / "iter_0000008"
+    assert saved_model_loss == pytest.approx(_measured_loss(reference, corpus, tmp_path / "ref"),
+                                             abs=2e-4)
+    saves = [r for r in _rows(finetuned["saved"].parents[2]) if r.get("event") == "checkpoint"]
+    assert saves and all(0 < r["save_blocking_s"] <= r["checkpoint_time_s"] for r in saves)
+
+
+def _measured_loss(path: Path, corpus, out: Path) -> float:
+    """A checkpoint's loss on global batch 0, in a separate process (the __main__ below)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, __file__, str(finetuned["saved"]),
-         *_overrides(corpus, tmp_path / "eval", "cluster.num_workers=1")],
+        [sys.executable, __file__, str(path), *_overrides(corpus, out, "cluster.num_workers=1")],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    saved_model_loss = json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
-    assert train[0]["lm_loss"] == pytest.approx(saved_model_loss, abs=1e-5)
-    # …which is a trained model's loss, far below the ~11.9 of fresh weights.
-    assert train[0]["lm_loss"] < uninterrupted["curve"][1] - 1.0
+    return json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
 
 
 def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float:

@@ -237,6 +237,10 @@ class CheckpointConfig:
     finetune: bool = False
     """Load only the weights from ``load``: fresh optimizer and schedule, iteration 0, data from
     the start (Megatron's --finetune)."""
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron-Core's async strategy): training waits
+    only while the state is staged in host memory; a checkpoint counts (meta file, Ray Train
+    report) once every rank's writer has finished, which is checked after each iteration."""
     stop_timeout_s: float = 300.0
     """On SIGTERM (``ray job stop``): the workers finish their iteration, save and stop; after
     this many seconds (or a second signal) they are aborted instead. ``ray job stop`` itself
