@@ -406,34 +406,46 @@ def _drain_and_wait_for_a_save(address: str, node_id: str, out: Path, events: di
         time.sleep(0.05)
 
 
+PPU_NODE = {"num_cpus": 1, "resources": {"PPU": 1}}  # a simulated node: one worker's worth
+
+
+def simulated_cluster(ppu_nodes: int, head_cpus: int):
+    """A ``ray.cluster_utils.Cluster`` on this machine, connected: a head with CPUs only (the
+    driver, Ray Train's controller, the data readers) and ``ppu_nodes`` one-PPU nodes whose
+    raylets hand out PPU ids. Returns the cluster and its PPU nodes."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES
+
+    # Every raylet started below inherits this: distinct PPU ids per worker.
+    os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus})
+    nodes = [cluster.add_node(**PPU_NODE) for _ in range(ppu_nodes)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=True)
+    return cluster, nodes
+
+
 def _recovery_child(args) -> None:
     """The scenario itself, in its own process (its own Ray: a Cluster of simulated nodes)."""
     import signal
     import threading
 
     import ray
-    from ray.cluster_utils import Cluster
 
     from ray_ppu import checkpoint
     from ray_ppu.config.loader import load
-    from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES, launch
+    from ray_ppu.launcher import launch
     from ray_ppu.plan import build_plan
     from ray_ppu.run import absolute_paths, prepare_output
 
-    # Every raylet started below inherits this: distinct PPU ids per worker.
-    os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
     if args.drain:  # Ray Train's drain watcher (and our check) every second, not 5: a short run
         os.environ["RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"] = "1"
     work = Path(args.dir).resolve()
-    node_args = {"num_cpus": 1, "resources": {"PPU": 1}}
-    # Head: the driver, Ray Train's controller and the data readers (2 ranks × 2 splits × 2
-    # actors × 0.5 CPU), no PPU; each PPU node: one worker (1 CPU, 1 PPU).
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 6})
     # Three PPU nodes for two workers: one spare, so the group restarts at full size on the
     # survivors (nodes are added only from the main thread, which is busy in launch()).
-    ppu_nodes = [cluster.add_node(**node_args) for _ in range(3)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=True)
+    cluster, ppu_nodes = simulated_cluster(ppu_nodes=3, head_cpus=6)
     result: dict = {}
 
     def config(out: Path):
@@ -533,21 +545,15 @@ def _elastic_child(args) -> None:
     checkpoint a node hosting a worker is removed, and the run ends on 3 again.
     """
     import ray
-    from ray.cluster_utils import Cluster
 
     from ray_ppu import checkpoint
     from ray_ppu.config.loader import load
-    from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES, launch
+    from ray_ppu.launcher import launch
     from ray_ppu.plan import build_plan
     from ray_ppu.run import absolute_paths, prepare_output
 
-    os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
     work = Path(args.dir).resolve()
-    node_args = {"num_cpus": 1, "resources": {"PPU": 1}}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8})
-    ppu_nodes = [cluster.add_node(**node_args) for _ in range(3)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=True)
+    cluster, ppu_nodes = simulated_cluster(ppu_nodes=3, head_cpus=8)
     result: dict = {}
 
     def config(out: Path, *extra: str):
@@ -587,7 +593,7 @@ def _elastic_child(args) -> None:
         try:
             # grow: a fourth node once the 3-worker group's checkpoint at 2 is complete
             if _wait_for(lambda: (root / "iter_0000002" / checkpoint.META_FILE).exists(), done):
-                ppu_nodes.append(cluster.add_node(**node_args))
+                ppu_nodes.append(cluster.add_node(**PPU_NODE))
                 events["added"] = time.time()
                 print(f"ELASTIC node added at {events['added']:.3f}", flush=True)
 

@@ -31,17 +31,23 @@ REPO = Path(__file__).resolve().parents[1]
 ITERS, GBS = 8, 4
 
 
-@pytest.fixture(scope="module")
-def node_loss(corpus, tmp_path_factory):
-    work = tmp_path_factory.mktemp("node_loss")
+def scenario(tmp_path_factory, corpus, name: str, *flags: str) -> dict:
+    """Run ``benchmark.py <name> <flags>`` (a scenario on its own simulated cluster, in a
+    subprocess); returns its JSON result."""
+    work = tmp_path_factory.mktemp(name)
     result = work / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "entrypoints" / "benchmark.py"), "recovery", "--reference",
-         "--dir", str(work), "--corpus", corpus, "--json", str(result), "--timeout", "540"],
-        capture_output=True, text=True, timeout=600)
+        [sys.executable, str(REPO / "entrypoints" / "benchmark.py"), name, *flags,
+         "--dir", str(work), "--corpus", corpus, "--json", str(result), "--timeout", "600"],
+        capture_output=True, text=True, timeout=660)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout)  # the recovery figures (pytest -s shows them)
+    print(proc.stdout)  # the figures (pytest -s shows them)
     return json.loads(result.read_text())
+
+
+@pytest.fixture(scope="module")
+def node_loss(corpus, tmp_path_factory):
+    return scenario(tmp_path_factory, corpus, "recovery", "--reference")
 
 
 @pytest.mark.slow
@@ -84,14 +90,7 @@ def test_drained_node_is_saved_before_it_goes(node_loss, corpus, tmp_path_factor
     then goes, the restarted group resumes from that checkpoint, not the last periodic one."""
     from ray_ppu.metrics import read_sample_log
 
-    work = tmp_path_factory.mktemp("drain")
-    result = work / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "entrypoints" / "benchmark.py"), "recovery", "--drain",
-         "--dir", str(work), "--corpus", corpus, "--json", str(result), "--timeout", "540"],
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(result.read_text())
+    res = scenario(tmp_path_factory, corpus, "recovery", "--drain")
     events, figures = res["events"], res["figures"]
     saved_at = events["drain_saved_iteration"]
     assert events["drained"] < events["drain_saved"] < events["removed"], events
@@ -112,19 +111,11 @@ def test_drained_node_is_saved_before_it_goes(node_loss, corpus, tmp_path_factor
 
 @pytest.fixture(scope="module")
 def elastic_run(corpus, tmp_path_factory):
-    """``benchmark.py elastic --reference`` (its own simulated cluster, in a subprocess): a
-    fixed 2-worker run, then num_workers (2, 4) at TP 2 on 3 one-PPU nodes: 3 workers (DP 1 +
-    a spare), grown to 4 (DP 2) when a node joins after the checkpoint at 2, back to 3 when a
-    node hosting a worker is removed after the 4-worker group's first checkpoint."""
-    work = tmp_path_factory.mktemp("elastic")
-    result = work / "result.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "entrypoints" / "benchmark.py"), "elastic", "--reference",
-         "--dir", str(work), "--corpus", corpus, "--json", str(result), "--timeout", "600"],
-        capture_output=True, text=True, timeout=660)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout)
-    return json.loads(result.read_text())
+    """``benchmark.py elastic --reference``: a fixed 2-worker run, then num_workers (2, 4) at
+    TP 2 on 3 one-PPU nodes: 3 workers (DP 1 + a spare), grown to 4 (DP 2) when a node joins
+    after the checkpoint at 2, back to 3 when a node hosting a worker is removed after the
+    4-worker group's first checkpoint."""
+    return scenario(tmp_path_factory, corpus, "elastic", "--reference")
 
 
 @pytest.mark.slow
