@@ -23,7 +23,7 @@ demo: $(VENV)/.installed  ## tiny Qwen2.5 on the stdlib corpus, 2 workers, TP=2,
 test: $(VENV)/.installed  ## the CPU test suite (real Ray, real Megatron-Core)
 	$(PY) -m pytest -q
 
-test-faults: $(VENV)/.installed  ## node loss, elastic shrink/grow, kill during a save, full disk (about 10 minutes)
+test-faults: $(VENV)/.installed  ## node loss, elastic shrink/grow, kill during a save, drain, full disk (about 15 minutes)
 	$(PY) -m pytest -q -m faults
 
 benchmark: $(VENV)/.installed  ## Ray Train vs torchrun overhead
