@@ -657,15 +657,6 @@ class Saver:
         return path, meta, tag
 
 
-def save(root: str | Path, iteration: int, model: list, optimizer, scheduler, plan,
-         cfg: RunConfig, with_cuda_rng: bool = False) -> tuple[Path, Meta]:
-    """Write a complete checkpoint after ``iteration`` iterations now (:class:`Saver`,
-    synchronous); collective. Returns its directory and meta."""
-    (path, meta, _), = Saver(root, plan, cfg, with_cuda_rng).save(iteration, model, optimizer,
-                                                                  scheduler)
-    return path, meta
-
-
 def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunConfig) -> int:
     """Load ``resume`` into the freshly built model (and optimizer, schedule, RNG unless
     ``weights_only``); collective. Returns the iteration training continues at.

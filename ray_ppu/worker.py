@@ -76,12 +76,34 @@ def run(
                           "world_size": plan.world_size, "data_parallel_size": plan.data_parallel_size}
                          if "lm_loss" in metrics else metrics)
 
-    polls: list = []  # completes finished background saves (set once the saver exists)
+    root = checkpoint.save_root(cfg)
+    saver = checkpoint.Saver(root, plan, cfg, with_cuda_rng=backend == "ppu",
+                             async_save=cfg.checkpoint.async_save)
+
+    def saving(step: Callable[[], list]) -> None:
+        """Run a save step (start, poll, wait); log, report and keep what it completed,
+        or log and count a failed save (the same on every rank)."""
+        try:
+            completed = step()
+        except checkpoint.CheckpointSaveError as err:
+            counts["checkpoint_failures"] += 1
+            on_log({"event": "checkpoint_failed", "iteration": err.iteration,
+                    "error": str(err), **counts})
+            return
+        for path, meta, tag in completed:
+            took = time.perf_counter() - tag["started"]
+            on_log({"event": "checkpoint", "iteration": meta.iteration,
+                    "checkpoint": path.name, "path": str(path), "checkpoint_time_s": took,
+                    # what training waited: all of it, unless checkpoint.async_save
+                    "save_blocking_s": tag["blocked_s"] or took})
+            if on_checkpoint is not None:
+                on_checkpoint(path, tag["metrics"])
+            elif rank0:
+                checkpoint.prune(root, cfg.checkpoint.keep_last)
 
     def on_iteration(done: int, sample_ids: Optional[list]) -> Optional[str]:
         nonlocal restart_pending
-        for poll in polls:
-            poll()
+        saving(saver.poll)  # background saves whose writers finished
         if samples is not None and sample_ids is not None:
             samples.write(done, sample_ids)
         if restart_pending and writer is not None:  # the restarted group's first iteration
@@ -112,33 +134,8 @@ def run(
                              resume.path, " (weights only)" if resume.weights_only else "",
                              time.perf_counter() - start, loaded)
 
-            root = checkpoint.save_root(cfg)
             if rank0:  # after the load: the resume decision was made before this group began
                 checkpoint.remove_incomplete(root)
-
-            saver = checkpoint.Saver(root, plan, cfg, with_cuda_rng=backend == "ppu",
-                                     async_save=cfg.checkpoint.async_save)
-
-            def saving(step: Callable[[], list]) -> None:
-                """Run a save step (start, poll, wait); log, report and keep what it completed,
-                or log and count a failed save (the same on every rank)."""
-                try:
-                    completed = step()
-                except checkpoint.CheckpointSaveError as err:
-                    counts["checkpoint_failures"] += 1
-                    on_log({"event": "checkpoint_failed", "iteration": err.iteration,
-                            "error": str(err), **counts})
-                    return
-                for path, meta, tag in completed:
-                    took = time.perf_counter() - tag["started"]
-                    on_log({"event": "checkpoint", "iteration": meta.iteration,
-                            "checkpoint": path.name, "path": str(path), "checkpoint_time_s": took,
-                            # what training waited: all of it, unless checkpoint.async_save
-                            "save_blocking_s": tag["blocked_s"] or took})
-                    if on_checkpoint is not None:
-                        on_checkpoint(path, tag["metrics"])
-                    elif rank0:
-                        checkpoint.prune(root, cfg.checkpoint.keep_last)
 
             def on_save(iteration: int, metrics: dict) -> None:
                 tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
@@ -146,7 +143,6 @@ def run(
                 # async: the state is staged and training goes on (sync: already complete)
                 tag["blocked_s"] = time.perf_counter() - tag["started"]
 
-            polls.append(lambda: saving(saver.poll))
             final = train(plan, model, optimizer, scheduler, batches,
                           devices.torch_device(backend), cfg.training.log_interval, on_log,
                           start_iteration, valid_batches, cfg.checkpoint.save_interval, on_save,
