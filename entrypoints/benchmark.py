@@ -5,6 +5,8 @@
     python entrypoints/benchmark.py sft [--records 60000] [--seq-length 2048] [--workers 1 2]
     python entrypoints/benchmark.py recovery [--dir DIR] [--reference] [--json FILE]
     python entrypoints/benchmark.py elastic [--dir DIR] [--reference] [--json FILE]
+    python entrypoints/benchmark.py options [--dir DIR] [--corpus PREFIX]
+    python entrypoints/benchmark.py device [--dir DIR] [--iters 20] [--timeout 120]
 
 ``overhead``: the same tiny training run under Ray Train (embedded local Ray, Ray Data stream)
 and under plain torchrun (in-process reads), alternating so both see the same machine noise.
@@ -21,6 +23,12 @@ path), alternated; and the demo's time waiting for data per iteration (from metr
 Chinese, log-normal lengths) read, templated, tokenized and padded or packed by the SFT Ray
 Data pipeline with 1 and 2 tokenizer actors: records per second per core, and the fraction of
 non-pad tokens per row, padded vs packed (the compute packing saves).
+
+``options`` (CPU) and ``device`` (every visible GPU / PPU, < 8 minutes on one H200): the same
+short run once per training option (precision, recompute, offload, SP / VP / CP, distributed
+optimizer, attention backend); a table of option, ran, loss matches (its reference variant's
+losses at every iteration), iteration time, peak memory, TFLOP/s and MFU
+(``entrypoints/option_runs.py``).
 
 ``recovery``: node loss under Ray Train V2 on a simulated multi-node cluster
 (``ray.cluster_utils.Cluster``: a CPU-only head and three nodes with one PPU each, one spare).
@@ -933,8 +941,26 @@ def main() -> None:
     rc.add_argument("--verbose", action="store_true", help="echo the scenario's output")
     rc.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     rc.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
+    op = sub.add_parser("options", help="each training option on CPU against the plain run")
+    op.add_argument("--dir", default="outputs/benchmark_options", help="runs and corpus")
+    op.add_argument("--corpus", default=None, help="idxmap prefix (default: a small stdlib one)")
+    dv = sub.add_parser("device", help="GPU/PPU-only options (fp8, TE attention, activation "
+                                       "offload, CP): ran, losses, time, memory, MFU")
+    dv.add_argument("--dir", default="outputs/benchmark_device", help="runs and corpus")
+    dv.add_argument("--corpus", default=None, help="idxmap prefix (default: a small stdlib one)")
+    dv.add_argument("--iters", type=int, default=20)
+    dv.add_argument("--timeout", type=float, default=120, help="per option")
     args = parser.parse_args()
-    if args.bench == "overhead":
+    if args.bench in ("options", "device"):
+        import option_runs
+
+        work = Path(args.dir).resolve()
+        corpus = args.corpus or _default_corpus(work)
+        if args.bench == "options":
+            option_runs.options(corpus, work / "runs")
+        else:
+            option_runs.device(corpus, args.iters, work / "runs", args.timeout)
+    elif args.bench == "overhead":
         overhead(args.rounds, args.iters, args.overrides)
     elif args.bench == "data":
         data(args)

@@ -31,9 +31,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config (default: the demo)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the resolved config and the plan as JSON; start nothing")
+                        help="print the resolved config, the plan, the Megatron-Core settings and "
+                             "the memory plan per device as JSON; start nothing")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
     return parser.parse_args(argv)
+
+
+def dry_run(cfg, plan) -> dict:
+    """The resolved config, the plan (batches, iterations, FLOPs per iteration), the
+    Megatron-Core settings the workers will build, and the memory plan of one device."""
+    from ray_ppu.megatron_settings import describe
+    from ray_ppu.memory import memory_plan
+
+    te = cfg.cluster.device != "cpu"  # PPU / GPU images carry Transformer Engine
+    return {"config": cfg.to_dict(), "plan": plan.to_dict(), "megatron": describe(cfg, plan, te),
+            "memory": memory_plan(cfg, plan, te).to_dict()}
 
 
 def main(argv=None) -> int:
@@ -51,7 +63,7 @@ def main(argv=None) -> int:
     for note in notes:
         logging.warning("%s", note.message)
     if args.dry_run:
-        print(json.dumps({"config": cfg.to_dict(), "plan": plan.to_dict()}, indent=2))
+        print(json.dumps(dry_run(cfg, plan), indent=2))
         return 0
 
     import ray

@@ -1,8 +1,12 @@
 """The ray_ppu training loop under plain torchrun, without Ray (benchmarks, debugging).
 
     torchrun --nproc-per-node 2 entrypoints/torchrun_pretrain.py --config run.yaml [key=value ...]
+    torchrun ... entrypoints/torchrun_pretrain.py --config run.yaml --variants variants.json
 
-Reads the same samples the Ray Data stream would deliver, in-process.
+Reads the same samples the Ray Data stream would deliver, in-process. ``--variants``: a JSON
+object ``{name: [key=value, ...]}``; the processes train each variant in turn (its overrides
+on top of the others, output in ``<output.dir>/<name>``), so option comparisons pay the start
+once (``benchmark.py options``).
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ray_ppu import devices, worker  # noqa: E402
+from ray_ppu import checkpoint, devices, worker  # noqa: E402
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.data import idxmap, local  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
@@ -29,15 +34,35 @@ from ray_ppu.run import absolute_paths  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config")
+    parser.add_argument("--variants", help="JSON file {name: [section.field=value, ...]}: "
+                        "train each in turn")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
 
-    cfg = absolute_paths(load(args.config, args.overrides))
-    plan = build_plan(cfg)
-    backend = devices.resolve(cfg.cluster.device)
+    variants = {"": []}
+    if args.variants:
+        variants = json.loads(Path(args.variants).read_text())
+    base = load(args.config, args.overrides)
+    backend = devices.resolve(base.cluster.device)
     dist.init_process_group(backend=devices.dist_backend(backend))
+    try:
+        for name, extra in variants.items():
+            out = [f"output.dir={Path(base.output.dir) / name}"] if name else []
+            cfg = absolute_paths(load(args.config, [*args.overrides, *extra, *out]))
+            if backend == "ppu":
+                torch.cuda.reset_peak_memory_stats()
+            final = train(cfg, backend)
+            if dist.get_rank() == 0:
+                print(json.dumps({"variant": name, "final": final} if name else {"final": final}))
+    finally:
+        dist.destroy_process_group()
+
+
+def train(cfg, backend) -> dict:
+    """One run of ``cfg`` on the existing process group."""
+    plan = build_plan(cfg)
     rank = dist.get_rank()
     spec = idxmap.spec_for(cfg, plan)
     # Collective: Megatron's builder lets rank 0 build the index cache while the others wait,
@@ -52,13 +77,18 @@ def main() -> None:
     batches = local.microbatches(*rank_args, 0, plan.train_iters) if reads else None
     valid = (local.microbatches(*rank_args, 0, valid_steps(plan), "valid")
              if reads and plan.eval_iters else None)
-    try:
-        final = worker.run(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid)
-    finally:
-        dist.destroy_process_group()
-    if rank == 0:
-        print(json.dumps({"final": final}))
+    return worker.run(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid,
+                      resume=_weights_to_load(cfg))
 
+
+def _weights_to_load(cfg):
+    """``checkpoint.load`` with ``checkpoint.finetune``: weights only, training from iteration
+    0. Resuming mid-run (exact data position, validation stream) is the Ray path's job."""
+    resume = checkpoint.resume_point(cfg)
+    if resume is not None and not resume.weights_only:
+        raise SystemExit(f"{resume.path}: the torchrun path starts runs and fine-tunes "
+                         f"(checkpoint.finetune=true); resume with entrypoints/pretrain.py")
+    return resume
 
 if __name__ == "__main__":
     main()

@@ -11,12 +11,22 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices import Backend
+from ray_ppu.megatron_settings import (
+    ddp_settings,
+    needs_transformer_engine,
+    transformer_settings,
+    uses_transformer_engine,
+)
 from ray_ppu.plan import Plan
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def transformer_engine_available(backend: Backend) -> bool:
@@ -30,69 +40,86 @@ def transformer_engine_available(backend: Backend) -> bool:
     return True
 
 
+class RMSNorm(torch.nn.Module):
+    """RMSNorm for the local (non-TE) layer spec, as Megatron-Core's norm modules are built
+    (``config, hidden_size, eps``). Megatron's torch-based norm refuses sequence parallelism;
+    this one marks its weight ``sequence_parallel`` so ``finalize_model_grads`` all-reduces its
+    gradient over the TP group (each TP rank saw only its share of the sequence)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def local_block_spec(config: TransformerConfig, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
+    """Megatron-Core's local GPT layer spec (plain torch attention and MLP) with
+    :class:`RMSNorm` for both layer norms and the final norm, for this stage's layers."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer.submodules.input_layernorm = RMSNorm
+    layer.submodules.pre_mlp_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=RMSNorm)
+
+
+class TransformerEngineMissing(RuntimeError):
+    """The config asks for options only Transformer Engine provides, and it is not here."""
+
+
+def _transformer_engine_layers(cfg: RunConfig, backend: Backend) -> bool:
+    """Whether this worker builds TE layers; an option that needs TE where it cannot run is an
+    error naming the option (no silent fallback to another kernel)."""
+    available = transformer_engine_available(backend)
+    missing = [] if available else needs_transformer_engine(cfg)
+    if missing:
+        raise TransformerEngineMissing(
+            f"Transformer Engine is not usable on this {backend} worker, but the run asks for: "
+            + "; ".join(missing))
+    return uses_transformer_engine(cfg, available)
+
+
 def transformer_config(cfg: RunConfig, plan: Plan, backend: Backend) -> TransformerConfig:
-    """Megatron-Core TransformerConfig for the Qwen2.5 / LLaMA architecture of ``cfg.model``."""
-    m, precision = cfg.model, cfg.training.precision
-    dtype = _DTYPES[precision]
+    """Megatron-Core TransformerConfig for the Qwen2.5 / LLaMA architecture of ``cfg.model``
+    with the run's precision, recompute, offload and parallel settings
+    (``ray_ppu.megatron_settings``, also what ``--dry-run`` prints)."""
+    settings = transformer_settings(cfg, plan, _transformer_engine_layers(cfg, backend))
+    for key in ("params_dtype", "pipeline_dtype"):
+        settings[key] = getattr(torch, settings[key])
+    settings["attention_backend"] = AttnBackend[settings["attention_backend"]]
     return TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        init_method_std=m.init_method_std,
-        normalization="RMSNorm",
-        layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=True,  # SwiGLU: silu(gate) * up
+        **settings,
         activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=m.add_qkv_bias,
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        tensor_model_parallel_size=plan.tensor_model_parallel_size,
-        pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=plan.virtual_pipeline_model_parallel_size,
-        context_parallel_size=plan.context_parallel_size,
-        sequence_parallel=plan.sequence_parallel,
         # CPU init draws the full weight from the (identically seeded) CPU generator and then
         # slices it, so the model is the same whatever TP is: TP=2 trains like TP=1.
         use_cpu_initialization=backend == "cpu",
-        # Fused kernels need apex / Transformer Engine / CUDA; the local path uses plain torch.
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        cross_entropy_loss_fusion=False,
     )
 
 
-def packed_format(plan: Plan, backend: Backend) -> Optional[str]:
+def packed_format(cfg: RunConfig, plan: Plan, backend: Backend) -> Optional[str]:
     """How packed SFT rows keep their samples apart: ``"thd"`` with Transformer Engine
     (PackedSeqParams: its fused attention takes the sample boundaries, no s² mask), ``"mask"``
     with the local spec (an explicit block-diagonal causal mask); None for unpacked rows."""
     if not plan.packed_sequences:
         return None
-    return "thd" if transformer_engine_available(backend) else "mask"
+    return "thd" if uses_transformer_engine(cfg, transformer_engine_available(backend)) else "mask"
 
 
 def build_model(cfg: RunConfig, plan: Plan, backend: Backend) -> tuple[list[DistributedDataParallel], TransformerConfig]:
-    """One GPTModel chunk per virtual pipeline stage, each wrapped in Megatron-Core DDP."""
+    """One GPTModel chunk per virtual pipeline stage (in a Float16Module for fp16 / bf16 /
+    fp8), each wrapped in Megatron-Core DDP."""
     config = transformer_config(cfg, plan, backend)
-    if transformer_engine_available(backend):
+    if uses_transformer_engine(cfg, transformer_engine_available(backend)):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = None  # per chunk: local_block_spec
 
     chunks = []
     num_chunks = plan.virtual_pipeline_model_parallel_size or 1
@@ -100,7 +127,7 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend) -> tuple[list[Dist
         stage = vp_stage if plan.virtual_pipeline_model_parallel_size else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec,
+            transformer_layer_spec=layer_spec or local_block_spec(config, stage),
             vocab_size=plan.padded_vocab_size,
             max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -115,14 +142,13 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend) -> tuple[list[Dist
         )
         if backend == "ppu":
             model.cuda(torch.cuda.current_device())
+        if config.fp16 or config.bf16:
+            # as Megatron-LM's get_model: every parameter in 16 bits (the local spec's norms
+            # too) and fp32 logits out of the last stage
+            model = Float16Module(config, model)
         chunks.append(model)
 
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        use_distributed_optimizer=cfg.training.use_distributed_optimizer,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
-    )
+    ddp_config = DistributedDataParallelConfig(**ddp_settings(cfg))
     wrapped = [
         DistributedDataParallel(
             config=config,

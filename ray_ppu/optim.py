@@ -2,37 +2,28 @@
 
 from __future__ import annotations
 
+import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ray_ppu.config.schema import RunConfig
+from ray_ppu.megatron_settings import optimizer_settings
+from ray_ppu.memory import offload_fraction
 from ray_ppu.plan import Plan
 
 
 def build_optimizer(cfg: RunConfig, plan: Plan, model_chunks: list):
-    """Adam with decoupled weight decay, gradient clipping, and Megatron's LR scheduler.
+    """Adam with decoupled weight decay, gradient clipping, and Megatron's LR scheduler;
+    fp16 adds dynamic loss scaling, ``memory.optimizer_offload`` Megatron-Core's hybrid-device
+    optimizer (states and update on the host for the offloaded fraction).
 
     The scheduler counts samples, as Megatron-LM does (``step(increment=global_batch_size)``),
     so warmup and decay stay put if the global batch is changed mid-run.
     """
     t = cfg.training
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=t.lr,
-            min_lr=t.min_lr,
-            weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2,
-            adam_eps=t.adam_eps,
-            clip_grad=t.clip_grad,
-            bf16=t.precision == "bf16",
-            fp16=t.precision == "fp16",
-            params_dtype=model_chunks[0].config.params_dtype,
-            use_distributed_optimizer=t.use_distributed_optimizer,
-        ),
-        model_chunks,
-    )
+    settings = optimizer_settings(cfg, offload_fraction(cfg, plan))
+    settings["params_dtype"] = getattr(torch, settings["params_dtype"])
+    optimizer = get_megatron_optimizer(OptimizerConfig(**settings), model_chunks)
     gbs = plan.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
@@ -120,8 +120,9 @@ def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
     return B * s * (L * per_layer + 6 * h * padded_vocab_size) + B * s * s * L * 6 * q
 
 
-def _parameter_counts(cfg: RunConfig, dims: ParallelDims, padded_vocab: int) -> tuple[int, int]:
-    """Total parameters and the most any one device holds (TP splits matrices, PP layers)."""
+def stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: int) -> tuple[int, int, int]:
+    """Total parameters, and those one device of the first and of the last pipeline stage
+    holds (TP splits the matrices, PP the layers; with PP 1 both are the one stage)."""
     m = cfg.model
     h, f = m.hidden_size, m.ffn_hidden_size
     q = m.kv_channels * m.num_attention_heads
@@ -132,14 +133,15 @@ def _parameter_counts(cfg: RunConfig, dims: ParallelDims, padded_vocab: int) -> 
     embedding = padded_vocab * h
     output = embedding if m.untie_embeddings_and_output_weights else 0
     total = m.num_layers * (layer_split + layer_replicated) + embedding + output + h
-    layers_per_stage = m.num_layers // dims.pp
-    stage = layers_per_stage * (layer_split // dims.tp + layer_replicated)
-    first = stage + embedding // dims.tp
+    stage = (m.num_layers // pp) * (layer_split // tp + layer_replicated)
+    if pp == 1:
+        only = stage + embedding // tp + h + output // tp
+        return total, only, only
+    first = stage + embedding // tp
     # The last stage holds the final norm and the output layer; with tied embeddings and PP > 1
     # Megatron keeps a copy of the embedding there too.
-    last = stage + h + (embedding // dims.tp if (output or dims.pp > 1) else 0)
-    per_device = max(first, last) if dims.pp > 1 else first + h + output // dims.tp
-    return total, per_device
+    last = stage + h + embedding // tp
+    return total, first, last
 
 
 def _sft_problems(cfg: RunConfig) -> list[str]:
@@ -170,6 +172,50 @@ def _sft_problems(cfg: RunConfig) -> list[str]:
     if t.train_tokens is not None or t.lr_warmup_tokens is not None:
         problems.append("SFT is scheduled in iterations (train_iters, lr_warmup_iters), as the "
                         "reference does; train_tokens / lr_warmup_tokens are for pretraining")
+    return problems
+
+
+def _option_problems(cfg: RunConfig, layers_per_chunk: Optional[int]) -> list[str]:
+    """Precision, recompute and offload switches that cannot go together, or need Transformer
+    Engine where the run cannot have it (``cluster.device=cpu``)."""
+    from ray_ppu.megatron_settings import needs_transformer_engine
+
+    mem, t, p = cfg.memory, cfg.training, cfg.parallel
+    problems = []
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        problems.append("parallel.sequence_parallel needs TP > 1 (it shards activations inside "
+                        "the TP group), got TP 1")
+    if mem.recompute == "full":
+        n = mem.recompute_num_layers
+        if n < 1:
+            problems.append(f"memory.recompute_num_layers {n} must be ≥ 1")
+        elif layers_per_chunk and mem.recompute_method == "uniform" and layers_per_chunk % n:
+            problems.append(f"memory.recompute_num_layers {n} does not divide the "
+                            f"{layers_per_chunk} layers of a model chunk (num_layers per "
+                            f"pipeline stage, and per virtual stage when interleaved)")
+        elif layers_per_chunk and n > layers_per_chunk:
+            problems.append(f"memory.recompute_num_layers {n} exceeds the {layers_per_chunk} "
+                            f"layers of a model chunk")
+    offload = mem.activation_offload_layers
+    if offload:
+        if mem.recompute != "none":
+            problems.append(f"memory.activation_offload_layers {offload} with memory.recompute="
+                            f"{mem.recompute}: Megatron-Core offloads or recomputes, not both")
+        if p.pipeline_model_parallel_size > 1:
+            problems.append(f"memory.activation_offload_layers {offload} needs PP 1 (Megatron-Core "
+                            f"has no offload with pipelining), got PP {p.pipeline_model_parallel_size}")
+        if not 0 < offload < cfg.model.num_layers:
+            problems.append(f"memory.activation_offload_layers {offload} must be between 1 and "
+                            f"num_layers {cfg.model.num_layers} − 1")
+    if mem.optimizer_offload != "none" and not t.use_distributed_optimizer:
+        problems.append(f"memory.optimizer_offload={mem.optimizer_offload} needs the distributed "
+                        f"optimizer, but training.use_distributed_optimizer is false")
+    if not 0.0 <= mem.optimizer_offload_fraction <= 1.0:
+        problems.append(f"memory.optimizer_offload_fraction {mem.optimizer_offload_fraction} "
+                        f"must be between 0 and 1")
+    if cfg.cluster.device == "cpu":
+        problems += [f"{need} needs Transformer Engine, which cluster.device=cpu does not have"
+                     for need in needs_transformer_engine(cfg)]
     return problems
 
 
@@ -242,8 +288,10 @@ def build_plan(cfg: RunConfig) -> Plan:
     2. Model against layout: heads and KV groups by TP, layers by PP (× virtual stages).
     3. Batch arithmetic: global batch = micro batch × DP × microbatches.
     4. Sequence: seq_length within max_position_embeddings.
-    5. Schedule: train / warmup / decay iterations (tokens → iterations as the reference does).
-    6. Data: blend and split syntax, a validation source when eval_iters > 0.
+    5. Options: SP needs TP, recompute units divide a chunk's layers, offload rules, and
+       Transformer Engine options on a CPU run.
+    6. Schedule: train / warmup / decay iterations (tokens → iterations as the reference does).
+    7. Data: blend and split syntax, a validation source when eval_iters > 0.
     """
     m, p, t, c = cfg.model, cfg.parallel, cfg.training, cfg.cluster
     problems: list[str] = []
@@ -286,10 +334,10 @@ def build_plan(cfg: RunConfig) -> Plan:
                             f"num_layers_per_virtual_pipeline_stage {per_vstage} = {pp * per_vstage}")
         else:
             vpp = m.num_layers // pp // per_vstage
-    sequence_parallel = p.sequence_parallel
-    if sequence_parallel and tp == 1:
-        notes.append("sequence_parallel needs TP > 1; turned off (TP 1), as the reference script does")
-        sequence_parallel = False
+    layers_per_chunk = None
+    if not m.num_layers % pp:
+        layers_per_chunk = m.num_layers // pp // (vpp or 1)
+    problems += _option_problems(cfg, layers_per_chunk)
 
     num_microbatches = 0
     if dims is not None:
@@ -337,7 +385,7 @@ def build_plan(cfg: RunConfig) -> Plan:
         warnings.warn(note, stacklevel=2)
 
     padded_vocab = m.padded_vocab_size(tp)
-    total, per_device = _parameter_counts(cfg, dims, padded_vocab)
+    total, first, last = stage_parameters(cfg, tp, pp, padded_vocab)
     return Plan(
         world_size=dims.world_size,
         tensor_model_parallel_size=tp,
@@ -345,7 +393,7 @@ def build_plan(cfg: RunConfig) -> Plan:
         context_parallel_size=dims.cp,
         data_parallel_size=dims.dp,
         virtual_pipeline_model_parallel_size=vpp,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=p.sequence_parallel,
         micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size,
         num_microbatches=num_microbatches,
@@ -364,7 +412,7 @@ def build_plan(cfg: RunConfig) -> Plan:
         padded_vocab_size=padded_vocab,
         kv_channels=m.kv_channels,
         num_parameters=total,
-        num_parameters_per_device=per_device,
+        num_parameters_per_device=max(first, last),
         flops_per_iteration=float(flops_per_iteration(cfg, padded_vocab)),
         warnings=tuple(notes),
     )

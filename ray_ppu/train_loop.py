@@ -6,6 +6,7 @@ no data) and an ``on_log`` callback; the same loop runs under Ray Train and unde
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -220,6 +221,31 @@ def evaluate(plan: Plan, model: list, schedule, batches, device: torch.device,
             "valid_samples": plan.eval_iters * plan.global_batch_size}
 
 
+def _per_chunk(model: list, method: str):
+    """A DDP method of each model chunk, as Megatron's schedules take it (one, or a list)."""
+    return getattr(model[0], method) if len(model) == 1 else [getattr(m, method) for m in model]
+
+
+@contextlib.contextmanager
+def params_in_sync(model: list):
+    """Parameters up to date for the body (a validation pass, a checkpoint).
+
+    With ``overlap_param_gather`` the distributed optimizer's updated shards are all-gathered
+    bucket by bucket in the next forward pass (forward pre-hooks): finish that gather now and
+    keep the hooks off meanwhile, as Megatron-LM does around evaluation and saving.
+    """
+    hooked = model[0].ddp_config.use_distributed_optimizer and model[0].ddp_config.overlap_param_gather
+    if hooked:
+        for chunk in model:
+            chunk.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        if hooked:
+            for chunk in model:
+                chunk.enable_forward_pre_hook()
+
+
 def train(
     plan: Plan,
     model: list,
@@ -255,7 +281,10 @@ def train(
     config = get_attr_wrapped_model(model[0], "config")
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model[0].no_sync if len(model) == 1 else [m.no_sync for m in model]
+    config.no_sync_func = _per_chunk(model, "no_sync")
+    if model[0].ddp_config.overlap_grad_reduce:
+        # the pipeline schedules start each chunk's gradient reduction as its backward ends
+        config.grad_sync_func = _per_chunk(model, "start_grad_sync")
 
     if plan.packed_sequences and packed is None:
         packed = "mask"
@@ -306,22 +335,30 @@ def train(
                 "data_wait_s": ((timed.waited_s - window.data_wait_s) / window.iterations
                                 if timed is not None else 0.0),
                 "tokens_per_s": tokens_per_iteration / step_time,
+                # Megatron-LM's FLOPs per iteration (plan), achieved per device
+                "tflops_per_device": plan.flops_per_iteration / step_time / plan.world_size / 1e12,
                 "elapsed_s": time.perf_counter() - run_start,
                 "eta_s": remaining * step_time,
             }
+            if config.fp16:  # dynamic loss scaling: halved on overflow, grown after a window
+                metrics["loss_scale"] = float(optimizer.get_loss_scale())
+            if device.type == "cuda":  # what the allocator held at most, this rank
+                metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
             # on_log's cost (e.g. a Ray report) counts in the next window
             window = _Window(start=now, data_wait_s=timed.waited_s if timed else 0.0)
             on_log(metrics)
         if plan.eval_iters and (done % plan.eval_interval == 0 or done == plan.train_iters):
             eval_start = time.perf_counter()
-            result = evaluate(plan, model, schedule, valid_batches, device, done)
+            with params_in_sync(model):
+                result = evaluate(plan, model, schedule, valid_batches, device, done)
             on_log({**result, "eval_time_s": time.perf_counter() - eval_start})
             metrics.update(result)
             window.start += time.perf_counter() - eval_start  # keep step times training-only
         if on_save is not None and (done == plan.train_iters or action is not None
                                     or (save_interval and done % save_interval == 0)):
             save_start = time.perf_counter()
-            on_save(done, dict(metrics))
+            with params_in_sync(model):
+                on_save(done, dict(metrics))
             window.start += time.perf_counter() - save_start  # likewise for checkpoint time
         if action == "stop":
             return {**metrics, "stopped_at": done}

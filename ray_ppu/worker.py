@@ -146,7 +146,7 @@ def run(
             final = train(plan, model, optimizer, scheduler, batches,
                           devices.torch_device(backend), cfg.training.log_interval, on_log,
                           start_iteration, valid_batches, cfg.checkpoint.save_interval, on_save,
-                          on_iteration, packed_format(plan, backend))
+                          on_iteration, packed_format(cfg, plan, backend))
             saving(saver.wait)  # background saves finish (and are reported) before returning
             return {**final, **counts}
         finally:

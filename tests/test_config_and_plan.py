@@ -167,10 +167,10 @@ def test_all_problems_reported_together():
     assert "world size 3" in msg and "seq_length 100000" in msg
 
 
-def test_sequence_parallel_without_tp_warns_and_turns_off():
-    with pytest.warns(UserWarning, match="sequence_parallel needs TP > 1"):
-        plan = plan_of(*BASE, "parallel.sequence_parallel=true")
-    assert plan.sequence_parallel is False
+def test_sequence_parallel_without_tp_is_an_error():
+    # the migration from the reference script drops SP at TP 1 (and says so); a config asking
+    # for it explicitly is told why it cannot have it
+    assert "sequence_parallel needs TP > 1" in problems_of(*BASE, "parallel.sequence_parallel=true")
     assert plan_of(*BASE, "parallel.sequence_parallel=true", "cluster.num_workers=2",
                    "parallel.tensor_model_parallel_size=2").sequence_parallel is True
 

@@ -75,7 +75,7 @@ def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out):
             try:
                 model, _ = build_model(cfg, plan, backend)
                 model[0].eval()
-                how = packed_format(plan, backend)
+                how = packed_format(cfg, plan, backend)
 
                 def summed_loss(rows, packed_rows):
                     total = 0.0

@@ -81,6 +81,13 @@ class ParallelConfig:
     """Shard LayerNorm/dropout activations along the sequence inside the TP group (TP > 1 only)."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Interleaved pipeline: layers per virtual stage (reference MP_VP); None = not interleaved."""
+    overlap_grad_reduce: bool = True
+    """Reduce-scatter / all-reduce gradient buckets while the backward pass goes on (Megatron
+    DDP); the reference turns it on."""
+    overlap_param_gather: bool = True
+    """With the distributed optimizer: all-gather updated parameters bucket by bucket during the
+    next forward pass instead of after the optimizer step (the reference turns it on; it has no
+    effect without the distributed optimizer)."""
 
 
 @dataclass(frozen=True)
@@ -121,8 +128,33 @@ class TrainingConfig:
     """Clip the global gradient norm to this value (0 = off)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across DP ranks (ZeRO-1, Megatron's distributed optimizer)."""
-    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
-    """Parameter/compute dtype; bf16 and fp16 keep fp32 master weights in the optimizer."""
+    precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    """Parameter/compute dtype; bf16 and fp16 keep fp32 master weights in the optimizer. fp8:
+    bf16 parameters with Transformer Engine's FP8 GEMMs (reference PR=fp8; PPU/GPU only)."""
+    fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+    """fp8: E4M3 forward and E5M2 gradients (hybrid, the reference) or E4M3 for both."""
+    fp8_amax_history_len: int = 1024
+    """fp8: steps of amax history the delayed scaling recipe keeps (the reference: 1024)."""
+    fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
+    """fp8: scale from the max over the history (the reference) or the latest amax."""
+    loss_scale: Optional[float] = None
+    """fp16: a fixed loss scale; None = dynamic loss scaling (the reference)."""
+    initial_loss_scale: float = 2.0 ** 32
+    """fp16, dynamic: the scale to start from (halved on every overflow)."""
+    min_loss_scale: float = 1.0
+    """fp16, dynamic: the scale never drops below this."""
+    loss_scale_window: int = 1000
+    """fp16, dynamic: iterations without overflow before the scale doubles."""
+    hysteresis: int = 2
+    """fp16, dynamic: overflows tolerated before the scale is lowered."""
+    apply_query_key_layer_scaling: Optional[bool] = None
+    """Scale QKᵀ by the layer number (softmax in fp32) against fp16 overflow; None = on with
+    fp16 only, as the reference sets it."""
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    """Core attention: flash / fused / unfused are Transformer Engine's kernels (reference FL=true
+    → flash, false → fused); local is Megatron-Core's plain-torch attention; auto = Transformer
+    Engine's own choice where it is installed, else local. A backend this device cannot run is
+    an error, never a silent fallback."""
     seed: int = 1234
     """Base RNG seed (Megatron adds 100 × pipeline rank)."""
     log_interval: int = 1
@@ -131,6 +163,37 @@ class TrainingConfig:
     """Iterations between validation passes (and one at the end); the reference uses 10000."""
     eval_iters: int = 10
     """Global batches of validation data per pass (0 = no validation)."""
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Trading compute or host memory for device memory: activation recompute and offload,
+    optimizer offload. ``--dry-run`` prints the memory plan these lead to."""
+
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute (reference AC): selective recomputes core attention (the s² part)
+    in the backward pass; full keeps only each recompute unit's input and recomputes the layers."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """full: uniform splits each model chunk's layers into units of recompute_num_layers and
+    keeps one input per unit (the reference); block recomputes only the first
+    recompute_num_layers layers of each chunk and stores the rest."""
+    recompute_num_layers: int = 1
+    """full: layers per recompute unit (uniform) or recomputed layers per chunk (block); the
+    reference's MP_AC_LAYERS. Uniform needs it to divide the layers of a chunk."""
+    activation_offload_layers: int = 0
+    """Offload the activations of this many layers to host memory during the forward pass
+    (reference AC=offload with MP_AC_LAYERS; Transformer Engine only, PP 1, no recompute; turns
+    grad-reduce / param-gather overlap off, as the reference does). 0 = off."""
+    optimizer_offload: Literal["none", "static", "auto"] = "none"
+    """Keep (part of) the optimizer states and their update on the host (Megatron-Core's
+    hybrid-device optimizer; reference OPTIMIZER_OFFLOAD). static: offload
+    optimizer_offload_fraction of them; auto: the smallest fraction that makes the memory plan
+    fit the device. Needs the distributed optimizer."""
+    optimizer_offload_fraction: float = 1.0
+    """static: fraction of the optimizer states kept on the host (the reference: 1.0)."""
+    device_memory_gib: Optional[float] = None
+    """Memory of one device for the memory plan and auto offload; None = the device table's
+    value (PPU 810E 96 GiB, H100 80, H200 141, A100 80)."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +275,9 @@ class ClusterConfig:
     """Logical CPUs each worker holds, besides its PPU."""
     device: Literal["auto", "ppu", "cpu"] = "auto"
     """ppu: torch.cuda + NCCL (PPU or NVIDIA); cpu: gloo on CPU; auto: ppu when CUDA is usable."""
+    accelerator: Literal["ppu-810e", "h100", "h200", "a100"] = "ppu-810e"
+    """Device model the workers run on (``ray_ppu.devices.specs``): its bf16 peak is the MFU
+    denominator and its memory the budget of the memory plan."""
     resource_name: str = "PPU"
     """Name of the custom Ray resource that counts devices on a node."""
     simulated_ppus: int = 0
@@ -260,6 +326,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     data: DataConfig = field(default_factory=DataConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -148,6 +148,36 @@ _TORCH_CUDA_STANDINS: dict[str, Any] = {
     "memory_reserved": lambda *_, **__: 0,
 }
 
+def _all_subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _all_subclasses(sub)
+
+
+def _backward_on_cpu() -> None:
+    """Run the backward of Megatron-Core's autograd Functions with CUDA → CPU redirected.
+
+    A mode is off while its handler runs, and ``torch.autograd.backward`` goes through the
+    handler: the backward pass runs without the mode. Megatron's Functions allocate on the
+    device there (``torch.empty(..., device=torch.cuda.current_device())`` for sequence-parallel
+    reduce-scatters) and activation recompute re-runs forward code (``device="cuda"``), so each
+    of their backwards enters the mode again.
+    """
+    import megatron.core.tensor_parallel  # noqa: F401  (defines the Functions)
+
+    for cls in set(_all_subclasses(torch.autograd.Function)):
+        if not cls.__module__.startswith("megatron.core") or "backward" not in vars(cls):
+            continue
+        original = vars(cls)["backward"]
+        original = original.__func__ if isinstance(original, staticmethod) else original
+
+        def backward(ctx, *grads, _original=original):
+            with CudaToCpuMode():
+                return _original(ctx, *grads)
+
+        cls.backward = staticmethod(backward)
+
+
 _install_lock = threading.Lock()
 _installed = False
 
@@ -171,6 +201,7 @@ def install() -> None:
 
         mcore_random._get_cuda_rng_state = _cpu_rng_state
         mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+        _backward_on_cpu()
         _installed = True
 
 

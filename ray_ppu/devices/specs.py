@@ -1,0 +1,26 @@
+"""What one device of each supported kind can do: bf16 peak (for MFU) and memory (for the
+memory plan). ``cluster.accelerator`` names the kind; config values override both figures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    bf16_tflops: float
+    """Dense bf16 peak per device, TFLOP/s (the MFU denominator)."""
+    memory_gib: float
+    """Device memory, GiB."""
+
+
+SPECS: dict[str, DeviceSpec] = {
+    # 123 TFLOPS: the vendor figure the reference's MFU table divides by ("规格值123");
+    # 96 GB HBM2e per the published 810E specification.
+    "ppu-810e": DeviceSpec("T-Head Zhenwu 810E (PPU)", 123.0, 96.0),
+    # NVIDIA datasheets, dense (no sparsity) bf16 Tensor Core peaks; memory as torch reports it.
+    "h100": DeviceSpec("NVIDIA H100 SXM", 989.0, 79.6),
+    "h200": DeviceSpec("NVIDIA H200 SXM", 989.0, 139.8),
+    "a100": DeviceSpec("NVIDIA A100 80GB", 312.0, 80.0),
+}

@@ -1,0 +1,199 @@
+"""Memory plan: what one device holds, so TP / PP / recompute / offload can be chosen before
+renting the devices. Pure arithmetic on the config and plan (no torch); ``--dry-run`` prints it.
+
+Per device of the most loaded pipeline stage:
+
+- parameters: its parameter count × 2 bytes (bf16 / fp16 / fp8 keep bf16 or fp16 weights; fp32: 4);
+- gradients: Megatron DDP's fp32 gradient buffers, 4 bytes per parameter;
+- optimizer: Adam's two fp32 moments plus the fp32 master weights of 16-bit runs (12 bytes per
+  parameter, 8 in fp32), divided over DP × CP by the distributed optimizer; the offloaded
+  fraction lives on the host instead;
+- activations: what autograd keeps per layer for one microbatch (the tensors each op saves for
+  its backward, below), times the layers of the stage, times the microbatches the pipeline
+  schedule has in flight on that stage, plus, with full recompute, one recompute unit rebuilt in
+  the backward pass.
+
+Not counted: the CUDA context, communication buffers and allocator fragmentation (the budget
+keeps 10 % of the device for them), and transient forward temporaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.devices.specs import SPECS
+from ray_ppu.megatron_settings import uses_transformer_engine
+
+GIB = 1024 ** 3
+HEADROOM = 0.9  # share of device memory the plan may fill
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes on one device of the most loaded pipeline stage, in GiB."""
+
+    accelerator: str
+    device_memory_gib: float
+    stage: str  # "only" (PP 1), "first" or "last"
+    parameters_gib: float
+    gradients_gib: float
+    optimizer_gib: float
+    optimizer_host_gib: float  # offloaded optimizer states, per device, on its host
+    optimizer_offload_fraction: float
+    activations_per_microbatch_gib: float
+    microbatches_in_flight: int
+    recompute_unit_gib: float  # full recompute: one unit's activations rebuilt in backward
+    activations_gib: float
+    total_gib: float
+    fits: bool  # total ≤ 90 % of the device
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _element_bytes(cfg: RunConfig) -> int:
+    return 4 if cfg.training.precision == "fp32" else 2
+
+
+def layer_activation_bytes(cfg: RunConfig, plan, te: bool) -> dict[str, float]:
+    """Bytes one transformer layer keeps for its backward, per microbatch on one device.
+
+    ``stored``: without recompute (selective: core attention's internals dropped, its q/k/v
+    inputs kept); ``input``: the layer input alone (what full recompute keeps). s is this
+    device's sequence share (CP), TP divides the projections, SP also the norm inputs.
+    """
+    m, mem = cfg.model, cfg.memory
+    e = _element_bytes(cfg)
+    s = plan.seq_length / plan.context_parallel_size
+    b, h, f, t = plan.micro_batch_size, m.hidden_size, m.ffn_hidden_size, plan.tensor_model_parallel_size
+    q = m.kv_channels * m.num_attention_heads
+    k = m.kv_channels * m.num_query_groups
+    heads = m.num_attention_heads / t
+    norm_div = t if plan.sequence_parallel else 1
+    # input norm's input, QKV GEMM's input, MLP norm's input, FC1's input: s·b·h each
+    norms_and_gemm_inputs = 4 * s * b * h / norm_div * e
+    # q, k, v after RoPE; the output projection's input; SwiGLU keeps FC1's output (gate and
+    # up, 2f), silu(gate) (f) and the product FC2 reads (f)
+    projections = s * b * ((q + 2 * k) + q + 4 * f) / t * e
+    if te:
+        # fused / flash attention keeps its output and the softmax statistics (fp32 per head)
+        attention = s * b * heads * 4
+    else:
+        # Megatron's local attention repeats k and v to every query head (GQA) and keeps the
+        # fp32 softmax output (and its cast back for 16-bit runs) for the s² product
+        repeated_kv = s * b * 2 * (q - k) / t * e
+        attention = repeated_kv + heads * s * s * b * (4 + (e if e < 4 else 0))
+    if mem.recompute == "selective":  # core attention recomputed from its q, k, v
+        attention = 0.0
+    stored = norms_and_gemm_inputs + projections + attention
+    return {"stored": stored, "input": s * b * h / norm_div * e}
+
+
+def _in_flight(plan) -> int:
+    """Microbatch-chunks the first pipeline stage holds at once, and the layers of a chunk.
+
+    1F1B: the first stage runs PP − 1 warm-up forwards before its first backward (PP in
+    flight); interleaved: 2·(PP − 1) + (VP − 1)·PP warm-up chunk-forwards, plus the one in
+    steady state. Without pipelining microbatches run one after the other.
+    """
+    pp, vp, m = (plan.pipeline_model_parallel_size,
+                 plan.virtual_pipeline_model_parallel_size or 1, plan.num_microbatches)
+    if pp == 1:
+        return 1
+    if vp == 1:
+        return min(pp, m)
+    return min(m * vp, 2 * (pp - 1) + (vp - 1) * pp + 1)
+
+
+def _activation_bytes(cfg: RunConfig, plan, te: bool, stage: str) -> tuple[float, int, float]:
+    """(stored bytes per microbatch-chunk, chunks in flight, recompute-unit bytes) of a stage."""
+    m, mem = cfg.model, cfg.memory
+    layer = layer_activation_bytes(cfg, plan, te)
+    chunks = plan.virtual_pipeline_model_parallel_size or 1
+    layers = m.num_layers // plan.pipeline_model_parallel_size // chunks  # per model chunk
+    unit = 0.0
+    if mem.recompute == "full":
+        n = min(mem.recompute_num_layers, layers)
+        if mem.recompute_method == "uniform":
+            per_chunk = layer["input"] * math.ceil(layers / n)
+        else:  # block: the first n layers of a chunk keep their input only
+            per_chunk = layer["input"] * n + layer["stored"] * (layers - n)
+        unit = layer["stored"] * n
+    else:
+        per_chunk = layer["stored"] * layers
+    in_flight = _in_flight(plan) if stage in ("first", "only") else 1
+    if stage in ("last", "only"):  # final norm and output GEMM inputs, logits, fp32 softmax
+        s = plan.seq_length / plan.context_parallel_size
+        e = _element_bytes(cfg)
+        norm_div = plan.tensor_model_parallel_size if plan.sequence_parallel else 1
+        per_chunk += (2 * s * plan.micro_batch_size * m.hidden_size / norm_div * e
+                      + s * plan.micro_batch_size * plan.padded_vocab_size
+                      / plan.tensor_model_parallel_size * (e + 4))
+    return per_chunk, in_flight, unit
+
+
+def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
+                offload: Optional[float] = None) -> MemoryPlan:
+    """The memory plan of the most loaded device. ``te``: Transformer Engine layers (default:
+    what the target device would use, i.e. on unless the run is on CPU or asks for local
+    attention); ``offload``: the host share of the optimizer states (default: as configured,
+    ``auto`` computed by :func:`offload_fraction`)."""
+    from ray_ppu.plan import stage_parameters
+
+    t, mem = cfg.training, cfg.memory
+    if te is None:
+        te = uses_transformer_engine(cfg, cfg.cluster.device != "cpu")
+    spec = SPECS[cfg.cluster.accelerator]
+    device_gib = mem.device_memory_gib or spec.memory_gib
+    if offload is None:
+        offload = {"none": 0.0, "static": mem.optimizer_offload_fraction}.get(
+            mem.optimizer_offload)
+        if offload is None:  # auto
+            offload = offload_fraction(cfg, plan)
+    _, first, last = stage_parameters(cfg, plan.tensor_model_parallel_size,
+                                      plan.pipeline_model_parallel_size, plan.padded_vocab_size)
+    stages = {"only": first} if plan.pipeline_model_parallel_size == 1 else {"first": first, "last": last}
+    param_bytes = _element_bytes(cfg)
+    optimizer_per_param = 8 + (4 if t.precision != "fp32" else 0)
+    shards = plan.data_parallel_size * plan.context_parallel_size if t.use_distributed_optimizer else 1
+    best = None
+    for stage, params in stages.items():
+        per_chunk, in_flight, unit = _activation_bytes(cfg, plan, te, stage)
+        optimizer = params * optimizer_per_param / shards
+        activations = per_chunk * in_flight + unit
+        total = params * (param_bytes + 4) + optimizer * (1 - offload) + activations
+        candidate = MemoryPlan(
+            accelerator=cfg.cluster.accelerator,
+            device_memory_gib=device_gib,
+            stage=stage,
+            parameters_gib=params * param_bytes / GIB,
+            gradients_gib=params * 4 / GIB,
+            optimizer_gib=optimizer * (1 - offload) / GIB,
+            optimizer_host_gib=optimizer * offload / GIB,
+            optimizer_offload_fraction=offload,
+            activations_per_microbatch_gib=per_chunk / GIB,
+            microbatches_in_flight=in_flight,
+            recompute_unit_gib=unit / GIB,
+            activations_gib=activations / GIB,
+            total_gib=total / GIB,
+            fits=total / GIB <= HEADROOM * device_gib,
+        )
+        if best is None or candidate.total_gib > best.total_gib:
+            best = candidate
+    return best
+
+
+def offload_fraction(cfg: RunConfig, plan) -> Optional[float]:
+    """``memory.optimizer_offload=auto``: the smallest share of the optimizer states on the
+    host that brings the memory plan within 90 % of the device (1.0 if even that is not
+    enough); None for the other modes (static takes the configured fraction)."""
+    if cfg.memory.optimizer_offload != "auto":
+        return None
+    on_device = memory_plan(cfg, plan, offload=0.0)
+    excess = on_device.total_gib - HEADROOM * on_device.device_memory_gib
+    if excess <= 0 or on_device.optimizer_gib == 0:
+        return 0.0
+    return min(1.0, math.ceil(100 * excess / on_device.optimizer_gib) / 100)
