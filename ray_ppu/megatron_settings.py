@@ -19,6 +19,12 @@ from ray_ppu.config.schema import RunConfig
 PARAMS_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
 
 
+def _precision(precision: str) -> dict:
+    """The precision switches both TransformerConfig and OptimizerConfig carry."""
+    return dict(bf16=precision in ("bf16", "fp8"), fp16=precision == "fp16",
+                params_dtype=PARAMS_DTYPE[precision])
+
+
 def needs_transformer_engine(cfg: RunConfig) -> list[str]:
     """The options of ``cfg`` only Transformer Engine provides, each named as the user set it."""
     t, mem, p = cfg.training, cfg.memory, cfg.parallel
@@ -76,9 +82,7 @@ def transformer_settings(cfg: RunConfig, plan, te: bool) -> dict:
         gated_linear_unit=True,  # SwiGLU: silu(gate) * up (activation_func set by model.py)
         add_bias_linear=False,
         add_qkv_bias=m.add_qkv_bias,
-        bf16=precision in ("bf16", "fp8"),
-        fp16=precision == "fp16",
-        params_dtype=PARAMS_DTYPE[precision],
+        **_precision(precision),
         pipeline_dtype=PARAMS_DTYPE[precision],
         apply_query_key_layer_scaling=qk_scaling,
         # TE layers take the kernel choice from here; the local spec is Megatron's own attention
@@ -138,9 +142,7 @@ def optimizer_settings(cfg: RunConfig, offload_fraction: Optional[float] = None)
         adam_beta2=t.adam_beta2,
         adam_eps=t.adam_eps,
         clip_grad=t.clip_grad,
-        bf16=t.precision in ("bf16", "fp8"),
-        fp16=t.precision == "fp16",
-        params_dtype=PARAMS_DTYPE[t.precision],
+        **_precision(t.precision),
         use_distributed_optimizer=t.use_distributed_optimizer,
     )
     if t.precision == "fp16":

@@ -73,27 +73,30 @@ def layer_activation_bytes(cfg: RunConfig, plan, te: bool) -> dict[str, float]:
     k = m.kv_channels * m.num_query_groups
     heads = m.num_attention_heads / t
     norm_div = t if plan.sequence_parallel else 1
-    # input norm's input, QKV GEMM's input, MLP norm's input, FC1's input: s·b·h each
-    norms_and_gemm_inputs = 4 * s * b * h / norm_div * e
-    # q, k, v after RoPE; the output projection's input; SwiGLU keeps FC1's output (gate and
-    # up, 2f), silu(gate) (f) and the product FC2 reads (f)
-    projections = s * b * ((q + 2 * k) + q + 4 * f) / t * e
-    if te:
-        # fused / flash attention keeps its output and the softmax statistics (fp32 per head)
-        attention = s * b * heads * 4
-    else:
-        # Megatron's local attention repeats k and v to every query head (GQA) and keeps the
-        # fp32 softmax output (and its cast back for 16-bit runs) for the s² product
-        repeated_kv = s * b * 2 * (q - k) / t * e
-        attention = repeated_kv + heads * s * s * b * (4 + (e if e < 4 else 0))
-    if mem.recompute == "selective":  # core attention recomputed from its q, k, v
-        attention = 0.0
+    per_token = s * b / t * e  # bytes of one TP-split activation column, per microbatch
+    # input norm's input, QKV GEMM's input, MLP norm's input, FC1's input: s·b·h each; torch's
+    # RMSNorm (no TE) also keeps its normalized output for the weight's gradient
+    norms_and_gemm_inputs = (4 if te else 6) * s * b * h / norm_div * e
+    # the output projection's input (q); SwiGLU keeps FC1's output (gate and up, 2f),
+    # silu(gate) (f) and the product FC2 reads (f)
+    projections = (q + 4 * f) * per_token
+    # core attention's inputs: q and k after RoPE, and v, a view of the QKV GEMM's output
+    # (whose whole storage stays): 2q + 3k; with selective recompute that is all it keeps
+    attention = (2 * q + 3 * k) * per_token
+    if mem.recompute != "selective":
+        if te:  # fused / flash attention also keeps the softmax statistics (fp32 per head)
+            attention += s * b * heads * 4
+        else:
+            # Megatron's local attention repeats k and v to every query head (GQA): q, k, v
+            # at q each; and it keeps the fp32 softmax output (and its 16-bit cast) for the s²
+            # product
+            attention = 3 * q * per_token + heads * s * s * b * (4 + (e if e < 4 else 0))
     stored = norms_and_gemm_inputs + projections + attention
     return {"stored": stored, "input": s * b * h / norm_div * e}
 
 
 def _in_flight(plan) -> int:
-    """Microbatch-chunks the first pipeline stage holds at once, and the layers of a chunk.
+    """Microbatch-chunks the first pipeline stage holds at once.
 
     1F1B: the first stage runs PP − 1 warm-up forwards before its first backward (PP in
     flight); interleaved: 2·(PP − 1) + (VP − 1)·PP warm-up chunk-forwards, plus the one in
@@ -125,13 +128,15 @@ def _activation_bytes(cfg: RunConfig, plan, te: bool, stage: str) -> tuple[float
     else:
         per_chunk = layer["stored"] * layers
     in_flight = _in_flight(plan) if stage in ("first", "only") else 1
-    if stage in ("last", "only"):  # final norm and output GEMM inputs, logits, fp32 softmax
+    if stage in ("last", "only"):
+        # final norm and output GEMM inputs; the cross entropy keeps the softmax of the
+        # logits (computed in place over them), fp32
         s = plan.seq_length / plan.context_parallel_size
         e = _element_bytes(cfg)
         norm_div = plan.tensor_model_parallel_size if plan.sequence_parallel else 1
         per_chunk += (2 * s * plan.micro_batch_size * m.hidden_size / norm_div * e
                       + s * plan.micro_batch_size * plan.padded_vocab_size
-                      / plan.tensor_model_parallel_size * (e + 4))
+                      / plan.tensor_model_parallel_size * 4)
     return per_chunk, in_flight, unit
 
 

@@ -83,11 +83,12 @@ class ParallelConfig:
     """Interleaved pipeline: layers per virtual stage (reference MP_VP); None = not interleaved."""
     overlap_grad_reduce: bool = True
     """Reduce-scatter / all-reduce gradient buckets while the backward pass goes on (Megatron
-    DDP); the reference turns it on."""
+    DDP). Pai-Megatron-Patch's run_mcore_qwen.sh turns it on; the PAI guide's no-overlap copy
+    of it does not pass it (from_pai_script.py writes false for that script)."""
     overlap_param_gather: bool = True
     """With the distributed optimizer: all-gather updated parameters bucket by bucket during the
-    next forward pass instead of after the optimizer step (the reference turns it on; it has no
-    effect without the distributed optimizer)."""
+    next forward pass instead of after the optimizer step (on in run_mcore_qwen.sh, as
+    overlap_grad_reduce; no effect without the distributed optimizer)."""
 
 
 @dataclass(frozen=True)
