@@ -1,0 +1,334 @@
+"""entrypoints/from_pai_script.py: the PAI guide's 7B launch (``run_dsw_7b.sh``) migrated and
+dry-run through pretrain.py, and one in-process test per quirk of run_mcore_qwen-no-overlap.sh
+that the migration reproduces (config values plus the reinterpretation line on stderr)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO
+
+from ray_ppu.config.loader import load
+from ray_ppu.plan import build_plan
+
+_spec = importlib.util.spec_from_file_location("from_pai_script",
+                                               REPO / "entrypoints" / "from_pai_script.py")
+fps = sys.modules["from_pai_script"] = importlib.util.module_from_spec(_spec)  # dataclasses need it
+_spec.loader.exec_module(fps)
+
+DATA = "/mnt/workspace/megatron-patch/qwen-datasets/wudao_qwenbpe_text_document"
+CKPT = "/mnt/workspace/megatron-patch/qwen-ckpts/Qwen2.5-7B"
+OUT = "/mnt/workspace/megatron-patch/test_qwen2_5"
+# run_dsw_7b.sh of the PAI guide (reference/pai-ppu-training-zh.txt), argument by argument.
+REFERENCE = dict(
+    ENV="dsw", MODEL_SIZE="7B", BATCH_SIZE="1", GLOBAL_BATCH_SIZE="256", LR="1e-5", MIN_LR="1e-6",
+    SEQ_LEN="4096", PAD_LEN="4096", PR="bf16", TP="1", PP="1", CP="1", SP="true", DO="true",
+    FL="true", SFT="false", AC="false", OPTIMIZER_OFFLOAD="false", SAVE_INTERVAL="100000",
+    DATASET_PATH=DATA, VALID_DATASET_PATH=DATA, PRETRAIN_CHECKPOINT_PATH=CKPT,
+    TRAIN_TOKENS_OR_ITERS="10000000000", WARMUP_TOKENS_OR_ITERS="1000000", OUTPUT_BASEPATH=OUT,
+)
+SP_LINE = ("SP=true with TP=1: the script drops sequence parallelism; "
+           "parallel.sequence_parallel=false")
+
+
+def arguments(**changes) -> list[str]:
+    values = {**REFERENCE, **changes}
+    return [values[name] for name in fps.ARGUMENTS]
+
+
+def migrate(tmp_path, capsys, env=None, **changes):
+    """Run the migration in-process: (exit status, YAML tree or None, stderr lines)."""
+    out = tmp_path / "run.yaml"
+    out.unlink(missing_ok=True)
+    status = fps.main(["--output", str(out), "--", *arguments(**changes)], environ=env or {})
+    err = capsys.readouterr().err.splitlines()
+    return status, (yaml.safe_load(out.read_text()) if status == 0 else None), err
+
+
+def plan_of(tmp_path):
+    return build_plan(load(tmp_path / "run.yaml"))
+
+
+def dry_run(config_path) -> dict:
+    result = subprocess.run([sys.executable, str(REPO / "entrypoints" / "pretrain.py"),
+                             "--config", str(config_path), "--dry-run"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def assert_reference_7b(dry: dict) -> None:
+    cfg, plan, tc = dry["config"], dry["plan"], dry["megatron"]["TransformerConfig"]
+    assert cfg["model"]["preset"] == "7B"
+    p = cfg["parallel"]
+    assert (p["tensor_model_parallel_size"], p["pipeline_model_parallel_size"],
+            p["context_parallel_size"]) == (1, 1, 1)
+    assert p["sequence_parallel"] is False and tc["sequence_parallel"] is False
+    assert cfg["training"]["use_distributed_optimizer"] is True
+    assert cfg["training"]["attention_backend"] == "flash" and tc["attention_backend"] == "flash"
+    assert cfg["memory"]["recompute"] == "none" and tc["recompute_granularity"] is None
+    assert cfg["training"]["precision"] == "bf16" and tc["bf16"] is True
+    assert cfg["cluster"]["num_workers"] == 16
+    # 10000000000 / 256 / 4096 = 9536 (9536.7), 1000000 / 256 / 4096 = 0 (0.95)
+    assert (plan["train_iters"], plan["lr_warmup_iters"], plan["lr_decay_iters"]) == (9536, 0, 9536)
+    # run_mcore_qwen-no-overlap.sh never passes its overlap options
+    ddp = dry["megatron"]["DistributedDataParallelConfig"]
+    assert ddp["overlap_grad_reduce"] is False and ddp["overlap_param_gather"] is False
+    assert cfg["training"]["eval_interval"] == 10000 and cfg["training"]["eval_iters"] == 10
+    assert cfg["checkpoint"]["save_interval"] == 100000
+    assert cfg["checkpoint"]["load"] == CKPT and cfg["checkpoint"]["finetune"] is True
+    name = ("pretrain-mcore-qwen2.5-7B-lr-1e-5-minlr-1e-6-bs-1-gbs-256-seqlen-4096-pr-bf16-"
+            "tp-1-pp-1-cp-1-ac-false-do-true-sp-true-ti-9536-wi-0")
+    assert cfg["output"]["name"] == name and cfg["output"]["dir"] == f"{OUT}/{name}"
+
+
+def test_reference_7b_arguments_dry_run(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys)
+    assert status == 0, err
+    assert SP_LINE in err
+    assert any(line.startswith("AC=false is none of sel, full, offload, none") for line in err)
+    assert any("not on this machine" in line and "HF loader" in line for line in err)
+    text = (tmp_path / "run.yaml").read_text()
+    assert "TRAIN_TOKENS 10000000000 / GLOBAL_BATCH_SIZE 256 / SEQ_LEN 4096 = 9536" in text
+    assert_reference_7b(dry_run(tmp_path / "run.yaml"))
+
+
+RUN_DSW_7B = f"""unset NCCL_QUADRUPLE_CHANNELS
+#export CUDA_VISIBLE_DEVICES=4,5,1,0,9,8,12,13,7,6,2,3,10,11,15,14
+# export NCCL_SOCKET_IFNAME=eth0
+#export MP_VP=2
+export MP_AC_LAYERS=1
+DATA={DATA}
+cd /mnt/workspace/megatron-patch/Pai-Megatron-Patch/examples/qwen2_5 && \\
+MP_DATASET_TYPE=idxmap sh run_mcore_qwen-no-overlap.sh \\
+dsw  \\
+7B   \\
+1    \\
+256 \\
+1e-5   \\
+1e-6   \\
+4096  \\
+4096  \\
+bf16  \\
+1  \\
+1 \\
+1 \\
+true \\
+true   \\
+true \\
+false \\
+false   \\
+false \\
+100000  \\
+$DATA  \\
+${{DATA}}  \\
+{CKPT}  \\
+10000000000  \\
+1000000   \\
+{OUT}
+"""
+
+
+def test_reference_7b_script_file_dry_run(tmp_path, capsys):
+    script = tmp_path / "run_dsw_7b.sh"
+    script.write_text(RUN_DSW_7B)
+    out = tmp_path / "from_script.yaml"
+    assert fps.main([str(script), "--output", str(out)], environ={"MP_VP": ""}) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert SP_LINE in err
+    # the same config as from the arguments (the commented-out MP_VP=2 stayed a comment)
+    assert fps.main(["--output", str(tmp_path / "run.yaml"), "--", *arguments()], environ={}) == 0
+    assert yaml.safe_load(out.read_text()) == yaml.safe_load((tmp_path / "run.yaml").read_text())
+    assert "MP_DATASET_TYPE=idxmap MP_AC_LAYERS=1" in out.read_text()  # the environment it saw
+    assert_reference_7b(dry_run(out))
+
+
+def test_script_file_without_a_call_is_an_error(tmp_path, capsys):
+    script = tmp_path / "run.sh"
+    script.write_text("#sh run_mcore_qwen.sh dsw 7B\necho nothing\n")
+    assert fps.main([str(script)], environ={}) == 2
+    assert "found 0" in capsys.readouterr().err
+
+
+def test_pretraining_iterations_use_bash_integer_division(tmp_path, capsys):
+    tokens = 3 * 2**60 - 1  # tokens / 48 / 64 is 2**50 - 1/3072: a double rounds it up to 2**50
+    status, tree, err = migrate(tmp_path, capsys, GLOBAL_BATCH_SIZE="48", SEQ_LEN="64",
+                                PAD_LEN="64", TRAIN_TOKENS_OR_ITERS=str(tokens),
+                                WARMUP_TOKENS_OR_ITERS="1000000")
+    assert status == 0, err
+    t = tree["training"]
+    assert int(tokens / 48 / 64) == 2**50  # what float division would give
+    assert t["train_iters"] == 2**50 - 1 == t["lr_decay_iters"]
+    assert t["lr_warmup_iters"] == 325  # 1000000 / 48 / 64 = 325.5
+    assert "train_tokens" not in t and "lr_warmup_tokens" not in t
+    plan = plan_of(tmp_path)
+    assert (plan.train_iters, plan.lr_warmup_iters) == (2**50 - 1, 325)
+    assert not any("TRAIN_TOKENS_OR_ITERS" in line for line in err)  # plain integers: no note
+
+
+def test_scientific_notation_is_the_number_it_denotes_with_a_note(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, TRAIN_TOKENS_OR_ITERS="1e10")
+    assert status == 0, err
+    assert tree["training"]["train_iters"] == 9536
+    assert ("TRAIN_TOKENS_OR_ITERS=1e10: bash $(( )) cannot parse 1e10 (the script would stop "
+            "with an arithmetic syntax error); taken as 10000000000") in err
+    status, _, err = migrate(tmp_path, capsys, TRAIN_TOKENS_OR_ITERS="1.5e-3")
+    assert status == 2 and "TRAIN_TOKENS_OR_ITERS (${23})" in err[0]
+
+
+def test_sequence_parallel_only_with_tp_above_one(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, SP="true", TP="1")
+    assert status == 0 and tree["parallel"]["sequence_parallel"] is False
+    assert SP_LINE in err
+    status, tree, err = migrate(tmp_path, capsys, SP="true", TP="2")
+    assert status == 0 and tree["parallel"]["sequence_parallel"] is True
+    assert tree["parallel"]["tensor_model_parallel_size"] == 2
+    assert not any(line.startswith("SP=") for line in err)
+
+
+@pytest.mark.parametrize("ac", ["false", "off"])
+def test_unknown_ac_value_means_no_recompute(tmp_path, capsys, ac):
+    status, tree, err = migrate(tmp_path, capsys, AC=ac)
+    assert status == 0 and tree["memory"]["recompute"] == "none"
+    assert (f"AC={ac} is none of sel, full, offload, none: the script adds no recompute option; "
+            f"memory.recompute=none") in err
+    status, tree, err = migrate(tmp_path, capsys, AC="sel")
+    assert tree["memory"]["recompute"] == "selective" and not any(l.startswith("AC=") for l in err)
+
+
+def test_optimizer_offload_forces_the_distributed_optimizer(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, DO="false", OPTIMIZER_OFFLOAD="static")
+    assert status == 0, err
+    assert tree["training"]["use_distributed_optimizer"] is True
+    assert tree["memory"]["optimizer_offload"] == "static"
+    assert tree["memory"]["optimizer_offload_fraction"] == 1.0
+    assert ("OPTIMIZER_OFFLOAD=static with DO=false: the script forces DO=true (\"Offload "
+            "optimizer is valid only if $DO=true\"); "
+            "training.use_distributed_optimizer=true") in err
+    assert "-do-true-" in tree["output"]["name"]  # NAME is built after the script's override
+    status, tree, err = migrate(tmp_path, capsys, DO="false", OPTIMIZER_OFFLOAD="false")
+    assert tree["training"]["use_distributed_optimizer"] is False
+    assert tree["memory"]["optimizer_offload"] == "none"
+    assert not any(line.startswith("OPTIMIZER_OFFLOAD=") for line in err)
+
+
+def test_env_dsw_is_one_node_of_16_ppu(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, env={"WORLD_SIZE": "4"}, ENV="dsw")
+    assert status == 0 and tree["cluster"]["num_workers"] == 16  # dsw ignores WORLD_SIZE
+    assert plan_of(tmp_path).data_parallel_size == 16
+
+
+def test_env_dlc_takes_world_size_nodes(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, env={"WORLD_SIZE": "4"}, ENV="dlc")
+    assert status == 0 and tree["cluster"]["num_workers"] == 64
+    assert plan_of(tmp_path).data_parallel_size == 64
+    status, tree, err = migrate(tmp_path, capsys, env={}, ENV="dlc")
+    assert status == 2 and "WORLD_SIZE" in err[0] and "ENV=dlc" in err[0]
+    status, tree, err = migrate(tmp_path, capsys, ENV="k8s")
+    assert status == 2 and "ENV ($1)='k8s'" in err[0]
+
+
+def test_full_recompute_layers_must_divide_the_stage(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, env={"MP_AC_LAYERS": "3"}, AC="full")
+    assert status == 2  # 28 layers / PP 1 = 28, 28 % 3 = 1
+    assert "the num layers per pp rank must be a multiple of the recompute layers." in err[0]
+    status, tree, err = migrate(tmp_path, capsys, env={"MP_AC_LAYERS": "3"}, AC="full", PP="2")
+    assert status == 2  # 28 / 2 = 14, 14 % 3 = 2
+    status, tree, err = migrate(tmp_path, capsys, env={"MP_AC_LAYERS": "7"}, AC="full", PP="2")
+    assert status == 0, err
+    assert tree["memory"] == {"recompute": "full", "recompute_method": "uniform",
+                              "recompute_num_layers": 7, "optimizer_offload": "none"}
+
+
+def test_virtual_pipeline_packing_and_raw_sft_data(tmp_path, capsys):
+    env = {"MP_VP": "7", "MP_DATASET_TYPE": "raw", "MP_SFT_PACKING": "true"}
+    train, valid = "/data/alpaca_zh-qwen-train.json", "/data/alpaca_zh-qwen-valid.json"
+    status, tree, err = migrate(tmp_path, capsys, env=env, PP="2", SFT="true",
+                                DATASET_PATH=train, VALID_DATASET_PATH=valid,
+                                TRAIN_TOKENS_OR_ITERS="2000", WARMUP_TOKENS_OR_ITERS="50")
+    assert status == 0, err
+    assert tree["parallel"]["num_layers_per_virtual_pipeline_stage"] == 7
+    assert tree["data"] == {"dataset": "sft", "data_path": [train], "valid_data_path": [valid],
+                            "tokenizer": CKPT, "packing": True}
+    t = tree["training"]
+    assert (t["train_iters"], t["lr_warmup_iters"], t["lr_decay_iters"]) == (2000, 50, 1950)
+    assert tree["checkpoint"]["finetune"] is True
+    assert tree["output"]["name"].startswith("finetune-mcore-qwen2.5-7B-")
+    assert tree["output"]["name"].endswith("-ti-2000-wi-50")
+    assert ("PAD_LEN=4096 unused: with MP_SFT_PACKING=true rows are SEQ_LEN long; "
+            "data.max_padding_length not set") in err
+    plan = plan_of(tmp_path)
+    assert plan.virtual_pipeline_model_parallel_size == 2 and plan.packed_sequences
+    # raw data without packing: padded to PAD_LEN, the length the model then trains on
+    status, tree, err = migrate(tmp_path, capsys, env={"MP_DATASET_TYPE": "raw"}, SFT="true",
+                                PAD_LEN="2048", TRAIN_TOKENS_OR_ITERS="2000",
+                                WARMUP_TOKENS_OR_ITERS="50")
+    assert status == 0 and tree["data"]["max_padding_length"] == 2048
+    assert "packing" not in tree["data"] and plan_of(tmp_path).seq_length == 2048
+
+
+def test_fl_false_is_fused_attention(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, FL="false")
+    assert status == 0 and tree["training"]["attention_backend"] == "fused"
+    assert not any(line.startswith("FL=") for line in err)
+    status, tree, err = migrate(tmp_path, capsys, FL="yes")
+    assert tree["training"]["attention_backend"] == "auto"
+    assert any(line.startswith("FL=yes is neither true nor false") for line in err)
+
+
+def test_fp16_keeps_query_key_layer_scaling(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, PR="fp16")
+    assert status == 0 and tree["training"]["precision"] == "fp16"
+    assert tree["training"]["apply_query_key_layer_scaling"] is True
+    assert any(line.startswith("PR=fp16: the script adds --apply-query-key-layer-scaling")
+               for line in err)
+
+
+def test_stock_script_keeps_the_overlap_options(tmp_path, capsys):
+    out = tmp_path / "run.yaml"
+    assert fps.main(["--script", "run_mcore_qwen.sh", "-o", str(out), "--", *arguments()],
+                    environ={}) == 0
+    err = capsys.readouterr().err
+    tree = yaml.safe_load(out.read_text())
+    assert tree["parallel"]["overlap_grad_reduce"] is True
+    assert tree["parallel"]["overlap_param_gather"] is True
+    assert "never passes it to torchrun" not in err
+
+
+def test_unknown_model_size_lists_the_presets(tmp_path, capsys):
+    status, _, err = migrate(tmp_path, capsys, MODEL_SIZE="9B")
+    assert status == 2 and "MODEL_SIZE ($2)='9B'" in err[0] and "7B" in err[0]
+
+
+def test_plan_problems_name_the_argument(tmp_path, capsys):
+    status, _, err = migrate(tmp_path, capsys, GLOBAL_BATCH_SIZE="250")
+    assert status == 2
+    text = "\n".join(err)
+    assert "global_batch_size 250 is not divisible" in text
+    assert "GLOBAL_BATCH_SIZE ($4)" in text and "BATCH_SIZE ($3)" in text
+    assert not (tmp_path / "run.yaml").exists()  # nothing written
+
+
+def test_hugging_face_checkpoint_needs_conversion(tmp_path, capsys):
+    hf = tmp_path / "Qwen2.5-7B"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    status, tree, err = migrate(tmp_path, capsys, PRETRAIN_CHECKPOINT_PATH=str(hf))
+    assert status == 0 and tree["checkpoint"]["load"] == str(hf)
+    assert any(line.startswith(f"PRETRAIN_CHECKPOINT_PATH={hf} is a Hugging Face model directory")
+               and "HF loader is not in ray_ppu" in line for line in err)
+    status, tree, err = migrate(tmp_path, capsys, PRETRAIN_CHECKPOINT_PATH="none")
+    assert status == 0 and "load" not in tree["checkpoint"] and "finetune" not in tree["checkpoint"]
+    assert not any(line.startswith("PRETRAIN_CHECKPOINT_PATH") for line in err)
+
+
+def test_activation_offload_takes_mp_ac_layers(tmp_path, capsys):
+    status, tree, err = migrate(tmp_path, capsys, env={"MP_AC_LAYERS": "2"}, AC="offload")
+    assert status == 0, err
+    assert tree["memory"]["activation_offload_layers"] == 2
+    assert tree["memory"]["recompute"] == "none"
+    assert any(line.startswith("AC=offload: memory.activation_offload_layers=2") for line in err)
