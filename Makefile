@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
-.PHONY: install demo test test-faults benchmark clean
+.PHONY: install chromium demo test test-faults benchmark clean
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed  ## tiny Qwen2.5 on the stdlib corpus, 2 workers, TP=2, local Ray
@@ -20,7 +20,30 @@ demo: $(VENV)/.installed  ## tiny Qwen2.5 on the stdlib corpus, 2 workers, TP=2,
 	rm -rf outputs/demo/ray_train outputs/demo/metrics.jsonl outputs/demo/tensorboard
 	$(PY) entrypoints/pretrain.py
 
-test: $(VENV)/.installed  ## the CPU test suite (real Ray, real Megatron-Core)
+# tests/test_report.py renders the run report in Debian's headless chromium; as root this
+# installs it (quietly) if missing; otherwise, or if apt-get fails, it says why and `make test`
+# goes on: that test then fails, naming the install command.
+chromium:  ## Debian's chromium for tests/test_report.py (apt-get, as root)
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" != 0 ]; then \
+		echo "chromium: /usr/bin/chromium is missing and only root can apt-get it" \
+			"(sudo apt-get install chromium); tests/test_report.py will fail without it"; \
+	elif ! command -v apt-get >/dev/null; then \
+		echo "chromium: /usr/bin/chromium is missing and there is no apt-get here;" \
+			"tests/test_report.py will fail without it"; \
+	else \
+		log=$$(mktemp); \
+		if (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				chromium) >"$$log" 2>&1; then \
+			echo "chromium: installed $$(/usr/bin/chromium --version 2>/dev/null)"; \
+		else \
+			echo "chromium: apt-get install chromium failed (tests/test_report.py will fail):"; \
+			tail -n 5 "$$log"; \
+		fi; \
+		rm -f "$$log"; \
+	fi
+
+test: $(VENV)/.installed chromium  ## the CPU test suite (real Ray, real Megatron-Core)
 	$(PY) -m pytest -q
 
 test-faults: $(VENV)/.installed  ## node loss, elastic shrink/grow, kill during a save, drain, full disk (about 15 minutes)
