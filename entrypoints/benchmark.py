@@ -5,6 +5,7 @@
     python entrypoints/benchmark.py sft [--records 60000] [--seq-length 2048] [--workers 1 2]
     python entrypoints/benchmark.py recovery [--dir DIR] [--reference] [--json FILE]
     python entrypoints/benchmark.py elastic [--dir DIR] [--reference] [--json FILE]
+    python entrypoints/benchmark.py metrics [--rounds 4] [--iters 30] [key=value ...]
     python entrypoints/benchmark.py options [--dir DIR] [--corpus PREFIX]
     python entrypoints/benchmark.py device [--dir DIR] [--iters 20] [--timeout 120]
 
@@ -23,6 +24,9 @@ path), alternated; and the demo's time waiting for data per iteration (from metr
 Chinese, log-normal lengths) read, templated, tokenized and padded or packed by the SFT Ray
 Data pipeline with 1 and 2 tokenizer actors: records per second per core, and the fraction of
 non-pad tokens per row, padded vs packed (the compute packing saves).
+
+``metrics``: the demo run under Ray Train with ``output.ray_metrics`` on and off, alternated:
+median step times and their ratio (the cost of exporting every logged row to Ray's metrics).
 
 ``options`` (CPU) and ``device`` (every visible GPU / PPU, < 8 minutes on one H200): the same
 short run once per training option (precision, recompute, offload, SP / VP / CP, distributed
@@ -108,6 +112,29 @@ def overhead(rounds: int, iters: int, extra: list[str]) -> None:
     print(f"\nmedian step time: ray {step['ray'] * 1000:.1f} ms, torchrun {step['torchrun'] * 1000:.1f} ms"
           f" -> ratio ray/torchrun {step['ray'] / step['torchrun']:.3f}")
     print(f"time to first iteration: ray {first['ray']:.1f} s, torchrun {first['torchrun']:.1f} s")
+
+
+def metrics_overhead(rounds: int, iters: int, extra: list[str]) -> None:
+    """The demo run under Ray Train with the Ray metrics export (and the end-of-run report) on
+    and off, alternated; median step times side by side and their ratio."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.data.preprocess import build_stdlib_corpus
+    from ray_ppu.data.tokenizer import qwen2
+    from ray_ppu.run import absolute_paths
+
+    demo = absolute_paths(load(REPO / "entrypoints" / "configs" / "demo.yaml", extra))
+    build_stdlib_corpus(demo.data.data_path[0], qwen2())
+    switch = {"on": ["output.ray_metrics=true"], "off": ["output.ray_metrics=false"]}
+    steps: dict[str, list[float]] = {"on": [], "off": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for kind in ("on", "off") if r % 2 == 0 else ("off", "on"):
+                step, _ = _one_run("ray", Path(tmp) / f"{kind}{r}", iters, [*extra, *switch[kind]])
+                steps[kind].append(step)
+                print(f"round {r} metrics {kind:3s} median step {step * 1000:7.1f} ms", flush=True)
+    on, off = statistics.median(steps["on"]), statistics.median(steps["off"])
+    print(f"\nmedian step time: metrics on {on * 1000:.1f} ms, off {off * 1000:.1f} ms -> "
+          f"ratio on/off {on / off:.4f}")
 
 
 def synthetic_corpus(prefix: Path, tokens: int, vocab_size: int, seed: int = 0) -> None:
@@ -941,6 +968,10 @@ def main() -> None:
     rc.add_argument("--verbose", action="store_true", help="echo the scenario's output")
     rc.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     rc.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
+    mt = sub.add_parser("metrics", help="Ray metrics export on vs off: step-time ratio")
+    mt.add_argument("--rounds", type=int, default=4)
+    mt.add_argument("--iters", type=int, default=30)
+    mt.add_argument("overrides", nargs="*", metavar="section.field=value")
     op = sub.add_parser("options", help="each training option on CPU against the plain run")
     op.add_argument("--dir", default="outputs/benchmark_options", help="runs and corpus")
     op.add_argument("--corpus", default=None, help="idxmap prefix (default: a small stdlib one)")
@@ -960,6 +991,8 @@ def main() -> None:
             option_runs.options(corpus, work / "runs")
         else:
             option_runs.device(corpus, args.iters, work / "runs", args.timeout)
+    elif args.bench == "metrics":
+        metrics_overhead(args.rounds, args.iters, args.overrides)
     elif args.bench == "overhead":
         overhead(args.rounds, args.iters, args.overrides)
     elif args.bench == "data":

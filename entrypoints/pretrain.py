@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -32,20 +33,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", help="YAML run config (default: the demo)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config, the plan, the Megatron-Core settings and "
-                             "the memory plan per device as JSON; start nothing")
+                             "the memory plan per device as JSON; start nothing (with RAY_ADDRESS "
+                             "set: also the preflight checks of every PPU node of that cluster)")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
     return parser.parse_args(argv)
 
 
 def dry_run(cfg, plan) -> dict:
     """The resolved config, the plan (batches, iterations, FLOPs per iteration), the
-    Megatron-Core settings the workers will build, and the memory plan of one device."""
+    Megatron-Core settings the workers will build, and the memory plan of one device; with
+    RAY_ADDRESS set, the preflight report of that cluster's PPU nodes (ray_ppu.preflight:
+    paths writable / readable there, Transformer Engine, device)."""
     from ray_ppu.megatron_settings import describe
     from ray_ppu.memory import memory_plan
 
     te = cfg.cluster.device != "cpu"  # PPU / GPU images carry Transformer Engine
-    return {"config": cfg.to_dict(), "plan": plan.to_dict(), "megatron": describe(cfg, plan, te),
-            "memory": memory_plan(cfg, plan, te).to_dict()}
+    result = {"config": cfg.to_dict(), "plan": plan.to_dict(),
+              "megatron": describe(cfg, plan, te), "memory": memory_plan(cfg, plan, te).to_dict()}
+    if os.environ.get("RAY_ADDRESS"):
+        result["preflight"] = _preflight(cfg)
+    return result
+
+
+def _preflight(cfg) -> dict:
+    """Join the cluster in RAY_ADDRESS (unless already connected) and run the preflight."""
+    import ray
+
+    from ray_ppu import preflight
+
+    joined = not ray.is_initialized()
+    if joined:
+        try:
+            ray.init(log_to_driver=False)  # RAY_ADDRESS names the cluster
+        except ConnectionError as err:
+            problem = f"cannot join the cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {err}"
+            return {"ok": False, "nodes": [], "problems": [problem]}
+    try:
+        return preflight.run(cfg)
+    finally:
+        if joined:
+            ray.shutdown()
 
 
 def main(argv=None) -> int:
@@ -63,7 +90,12 @@ def main(argv=None) -> int:
     for note in notes:
         logging.warning("%s", note.message)
     if args.dry_run:
-        print(json.dumps(dry_run(cfg, plan), indent=2))
+        result = dry_run(cfg, plan)
+        print(json.dumps(result, indent=2))
+        if not result.get("preflight", {"ok": True})["ok"]:
+            problems = result["preflight"]["problems"]
+            print("error: preflight found problems:\n  " + "\n  ".join(problems), file=sys.stderr)
+            return 2
         return 0
 
     import ray
@@ -91,6 +123,10 @@ def main(argv=None) -> int:
     finally:
         if started:
             ray.shutdown()
+    if cfg.output.report:
+        from ray_ppu.report import write_report
+
+        logging.info("run report: %s", write_report(cfg.output.dir))
     print(json.dumps({"final": final}))
     if "stopped_at" in final:  # SIGTERM: saved and stopped early; the same command resumes
         return 143

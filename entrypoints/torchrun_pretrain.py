@@ -28,7 +28,8 @@ from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.data import idxmap, local  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
 from ray_ppu.data.order import valid_steps  # noqa: E402
-from ray_ppu.run import absolute_paths  # noqa: E402
+from ray_ppu.report import write_report  # noqa: E402
+from ray_ppu.run import absolute_paths, prepare_output  # noqa: E402
 
 
 def main() -> None:
@@ -61,9 +62,12 @@ def main() -> None:
 
 
 def train(cfg, backend) -> dict:
-    """One run of ``cfg`` on the existing process group."""
+    """One run of ``cfg`` on the existing process group; rank 0 writes config, plan and, at
+    the end, the run report into the output directory."""
     plan = build_plan(cfg)
     rank = dist.get_rank()
+    if rank == 0:
+        prepare_output(cfg, plan)
     spec = idxmap.spec_for(cfg, plan)
     # Collective: Megatron's builder lets rank 0 build the index cache while the others wait,
     # then every rank loads it. Done up front so no read during training hits that barrier.
@@ -77,8 +81,11 @@ def train(cfg, backend) -> dict:
     batches = local.microbatches(*rank_args, 0, plan.train_iters) if reads else None
     valid = (local.microbatches(*rank_args, 0, valid_steps(plan), "valid")
              if reads and plan.eval_iters else None)
-    return worker.run(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid,
-                      resume=_weights_to_load(cfg))
+    final = worker.run(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid,
+                       resume=_weights_to_load(cfg))
+    if rank == 0 and cfg.output.report:
+        write_report(cfg.output.dir)
+    return final
 
 
 def _weights_to_load(cfg):

@@ -188,6 +188,8 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     2. Checkpoint settings; say where the run starts (its own latest complete checkpoint,
        ``checkpoint.load``, or scratch). The workers decide again at every (re)start.
     3. Connect to the cluster (or start a local Ray with simulated PPUs); enough PPU?
+       Preflight on every PPU node (:mod:`ray_ppu.preflight`): output, index cache, data and
+       checkpoint paths, Transformer Engine and the device, before anything is placed.
     4. Build Megatron's sample indices once, in one Ray task, into the shared cache.
     5. TorchTrainer.fit(): one worker per PPU, each joining the Megatron worker group.
     6. SIGTERM (``ray job stop``): the workers save after their iteration and stop; Ctrl-C,
@@ -211,6 +213,9 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     previous = signal.signal(signal.SIGTERM, graceful) if main else None
     try:
         check_capacity(cfg)
+        from ray_ppu import preflight  # (it imports this module's ClusterError)
+
+        preflight.check(cfg)
         backend = _resolve_backend(cfg)
         if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
             rows = _as_config_error(sft_store.prepare, spec)

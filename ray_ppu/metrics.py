@@ -15,11 +15,18 @@ log = logging.getLogger("ray_ppu")
 
 def progress_line(m: dict) -> str:
     eta = datetime.timedelta(seconds=round(m["eta_s"])) if math.isfinite(m["eta_s"]) else "?"
-    return (
+    line = (
         f"iter {m['iteration']:>6}/{m['train_iters']} | loss {m['lm_loss']:.4f} | "
         f"lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
-        f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1000:.0f} ms/iter | ETA {eta}"
+        f"{m['tokens_per_s']:,.0f} tok/s | {m['step_time_s'] * 1000:.0f} ms/iter"
     )
+    if "tflops_per_device" in m:
+        line += f" | {m['tflops_per_device']:.3g} TFLOP/s/device"
+    if "mfu" in m:
+        line += f" | MFU {m['mfu']:.1%}"
+    if "loss_scale" in m:
+        line += f" | loss scale {m['loss_scale']:g}"
+    return line + f" | ETA {eta}"
 
 
 def validation_line(m: dict) -> str:

@@ -89,6 +89,9 @@ class Plan:
     num_parameters: int
     num_parameters_per_device: int
     flops_per_iteration: float
+    # core attention FLOPs of one sample = this × its length² (causal, Megatron-LM's count):
+    # packed rows count their samples' lengths instead of seq_length
+    attention_flops_coefficient: float = 0.0
     warnings: tuple[str, ...] = ()
     spare_workers: int = 0  # workers in the Ray group beyond world_size, outside Megatron's groups
 
@@ -117,7 +120,14 @@ def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
     k = m.kv_channels * m.num_query_groups
     f = m.ffn_hidden_size
     per_layer = 6 * h * (q + 2 * k) + 6 * q * h + 6 * h * f * 3  # QKV, proj, SwiGLU (3 mats)
-    return B * s * (L * per_layer + 6 * h * padded_vocab_size) + B * s * s * L * 6 * q
+    return B * s * (L * per_layer + 6 * h * padded_vocab_size) + B * s * s * attention_flops_coefficient(cfg)
+
+
+def attention_flops_coefficient(cfg: RunConfig) -> float:
+    """Core attention FLOPs per sample ÷ its length²: 6·L·q (QKᵀ and AV, halved by the causal
+    mask, times 3 for forward + backward)."""
+    m = cfg.model
+    return 6.0 * m.num_layers * m.kv_channels * m.num_attention_heads
 
 
 def stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: int) -> tuple[int, int, int]:
@@ -414,5 +424,6 @@ def build_plan(cfg: RunConfig) -> Plan:
         num_parameters=total,
         num_parameters_per_device=max(first, last),
         flops_per_iteration=float(flops_per_iteration(cfg, padded_vocab)),
+        attention_flops_coefficient=attention_flops_coefficient(cfg),
         warnings=tuple(notes),
     )

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ray_ppu import checkpoint, devices, recovery
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.plan import Plan, plan_for_world
+from ray_ppu.ray_metrics import RayMetrics
 
 log = logging.getLogger("ray_ppu")
 
@@ -31,8 +32,12 @@ STOP = "stop_"  # the driver asks the workers to save and stop
 _FINISHED = "finished_"  # the training ranks are done: the spares stop waiting
 
 
+_warned_no_ids: set[str] = set()  # resources assigned_device_id has warned about, per process
+
+
 def assigned_device_id(resource_name: str) -> int:
-    """The PPU id Ray assigned this worker; LOCAL_RANK (with a warning) when Ray has none."""
+    """The PPU id Ray assigned this worker (the lowest, when it holds several); LOCAL_RANK
+    when Ray has none, with a warning once per process and resource."""
     ids: list = []
     try:  # private API (DESIGN.md §4): ids exist only when the raylet knows PPU as a unit resource
         worker = ray._private.worker.global_worker
@@ -41,14 +46,16 @@ def assigned_device_id(resource_name: str) -> int:
         )
     except Exception as err:  # pragma: no cover - depends on Ray internals
         log.debug("no %s ids from Ray: %s", resource_name, err)
-    if ids:
-        return int(ids[0])
+    if ids:  # Ray answers with a set's order: take the lowest, the same on every call
+        return min(int(i) for i in ids)
     local_rank = ray.train.get_context().get_local_rank()
-    log.warning(
-        "Ray assigned no %s ids to this worker (start raylets with "
-        "RAY_custom_unit_instance_resources including %s); using local rank %d",
-        resource_name, resource_name, local_rank,
-    )
+    if resource_name not in _warned_no_ids:
+        _warned_no_ids.add(resource_name)
+        log.warning(
+            "Ray assigned no %s ids to this worker (start raylets with "
+            "RAY_custom_unit_instance_resources including %s); using local rank %d",
+            resource_name, resource_name, local_rank,
+        )
     return local_rank
 
 
@@ -131,9 +138,12 @@ def train_worker(payload: dict) -> dict:
                                   # spares do not follow the iterations
                                   watch_preemption=cfg.checkpoint.save_on_preemption
                                   and not plan.spare_workers)
+    exported = (RayMetrics(checkpoint.run_name(cfg), context.get_world_rank()).export
+                if cfg.output.ray_metrics else None)
     final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
                        resume, on_checkpoint=_report_checkpoint,
-                       failures=recovery.failures(root, token), interruption=interruption)
+                       failures=recovery.failures(root, token), interruption=interruption,
+                       on_metrics=exported)
     if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
         (root / f"{_FINISHED}{token}").touch()
     return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
@@ -126,6 +127,7 @@ class _TimedIterator:
     def __init__(self, batches: Iterator[Microbatch]) -> None:
         self.batches, self.waited_s = batches, 0.0
         self.ids: list = []
+        self.squared_lengths = 0  # packed rows: Σ length² of the samples read (attention FLOPs)
 
     def __iter__(self):
         return self
@@ -138,6 +140,9 @@ class _TimedIterator:
             self.waited_s += time.perf_counter() - start
         if "sample_id" in batch:
             self.ids.extend(int(i) for i in batch["sample_id"])
+        if "cu_seqlens" in batch:  # boundaries padded with the last one: zero-length repeats
+            lengths = np.diff(np.asarray(batch["cu_seqlens"], dtype=np.int64), axis=-1)
+            self.squared_lengths += int((lengths ** 2).sum())
         return batch
 
     def take_ids(self) -> list:
@@ -155,6 +160,7 @@ class _Window:
     loss_sum: Optional[torch.Tensor] = None  # [masked loss sum, token count] on the last stage
     grad_norm: float = 0.0
     data_wait_s: float = 0.0  # this rank's time blocked on the data stream at the window start
+    squared_lengths: int = 0  # packed rows: the stream's Σ length² at the window start
 
 
 def _mean_loss(stats: Optional[torch.Tensor], device: torch.device) -> float:
@@ -219,6 +225,21 @@ def evaluate(plan: Plan, model: list, schedule, batches, device: torch.device,
     return {"iteration": iteration, "valid_lm_loss": loss,
             "valid_ppl": math.exp(min(loss, 20.0)),  # capped like Megatron's PPL print
             "valid_samples": plan.eval_iters * plan.global_batch_size}
+
+
+def _flops_per_iteration(plan: Plan, timed: Optional[_TimedIterator], window: _Window,
+                         device: torch.device) -> float:
+    """The plan's FLOPs per iteration; with packed rows the attention term counts the real
+    sample lengths: rank 0's Σ length² over the window (its DP share, × DP), sent to all."""
+    if not plan.packed_sequences:
+        return plan.flops_per_iteration
+    squared = torch.zeros(1, dtype=torch.float64, device=device)
+    if timed is not None and dist.get_rank() == 0:
+        squared[0] = ((timed.squared_lengths - window.squared_lengths) / window.iterations
+                      * plan.data_parallel_size)
+    dist.broadcast(squared, src=0)
+    rows = plan.global_batch_size * plan.seq_length ** 2
+    return plan.flops_per_iteration + plan.attention_flops_coefficient * (float(squared[0]) - rows)
 
 
 def _per_chunk(model: list, method: str):
@@ -335,8 +356,10 @@ def train(
                 "data_wait_s": ((timed.waited_s - window.data_wait_s) / window.iterations
                                 if timed is not None else 0.0),
                 "tokens_per_s": tokens_per_iteration / step_time,
-                # Megatron-LM's FLOPs per iteration (plan), achieved per device
-                "tflops_per_device": plan.flops_per_iteration / step_time / plan.world_size / 1e12,
+                "tokens_per_s_per_device": tokens_per_iteration / step_time / plan.world_size,
+                # Megatron-LM's FLOPs per iteration, achieved per device
+                "tflops_per_device": (_flops_per_iteration(plan, timed, window, device)
+                                      / step_time / plan.world_size / 1e12),
                 "elapsed_s": time.perf_counter() - run_start,
                 "eta_s": remaining * step_time,
             }
@@ -345,7 +368,8 @@ def train(
             if device.type == "cuda":  # what the allocator held at most, this rank
                 metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
             # on_log's cost (e.g. a Ray report) counts in the next window
-            window = _Window(start=now, data_wait_s=timed.waited_s if timed else 0.0)
+            window = _Window(start=now, data_wait_s=timed.waited_s if timed else 0.0,
+                             squared_lengths=timed.squared_lengths if timed else 0)
             on_log(metrics)
         if plan.eval_iters and (done % plan.eval_interval == 0 or done == plan.train_iters):
             eval_start = time.perf_counter()

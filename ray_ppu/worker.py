@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ray_ppu import checkpoint, devices, parallel, recovery
 from ray_ppu.config.schema import RunConfig
+from ray_ppu.devices.specs import peak_tflops
 from ray_ppu.metrics import MetricsWriter, SampleLog
 from ray_ppu.plan import Plan
 
@@ -33,6 +34,7 @@ def run(
     on_checkpoint: Optional[Callable[[Path, dict], None]] = None,
     failures: Sequence[recovery.Failure] = (),
     interruption: Optional[Callable[[int], Optional[str]]] = None,
+    on_metrics: Optional[Callable[[dict], None]] = None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
@@ -44,6 +46,7 @@ def run(
     launch's earlier worker-group failures (this group is a restart when there are any).
     ``interruption(iteration)``: asked after every iteration on every rank, the same answer on
     all: None, ``"save"`` (a node is being drained) or ``"stop"`` (the job is being stopped).
+    ``on_metrics(row)``: every logged row, on every rank (Ray's metrics export).
 
     1. Bind the device (PPU id, or the CPU shim) for this thread.
     2. Megatron parallel groups and seeds on the existing process group.
@@ -69,12 +72,20 @@ def run(
     counts = {"restarts": len(failures), "checkpoint_failures": 0}
     restart_pending = bool(failures)
 
+    peak = peak_tflops(cfg.cluster.accelerator, cfg.cluster.peak_tflops)
+    logged: dict = {}  # the last training row as logged: the final result carries it
+
     def on_log(metrics: dict) -> None:
-        if writer is not None:
+        if "lm_loss" in metrics:
             # training rows say the group's shape too: an elastic group changes it
-            writer.write({**metrics, "restarts": counts["restarts"],
-                          "world_size": plan.world_size, "data_parallel_size": plan.data_parallel_size}
-                         if "lm_loss" in metrics else metrics)
+            metrics = {**metrics, "mfu": metrics["tflops_per_device"] / peak,
+                       "restarts": counts["restarts"], "world_size": plan.world_size,
+                       "data_parallel_size": plan.data_parallel_size}
+            logged.update(metrics)
+        if writer is not None:
+            writer.write(metrics)
+        if on_metrics is not None:  # every rank: its own throughput, memory, data wait
+            on_metrics(metrics)
 
     root = checkpoint.save_root(cfg)
     saver = checkpoint.Saver(root, plan, cfg, with_cuda_rng=backend == "ppu",
@@ -148,7 +159,7 @@ def run(
                           start_iteration, valid_batches, cfg.checkpoint.save_interval, on_save,
                           on_iteration, packed_format(cfg, plan, backend))
             saving(saver.wait)  # background saves finish (and are reported) before returning
-            return {**final, **counts}
+            return {**logged, **final, **counts}
         finally:
             parallel.destroy()
             for out in (writer, samples):

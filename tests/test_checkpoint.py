@@ -203,12 +203,38 @@ def _launch(cfg, plan):
 
 
 def uninterrupted_run(corpus, out) -> dict:
-    """The reference: 8 iterations on 2 workers (DP 2), saving every 4, nothing going wrong."""
+    """The reference: 8 iterations on 2 workers (DP 2), saving every 4, nothing going wrong.
+    Meanwhile the node's Prometheus endpoint is scraped for the run's exported metrics."""
     cfg, plan = _config(corpus, out, "cluster.num_workers=2")
-    final, _ = _launch(cfg, plan)
+    scraped: list[str] = []
+    final, _ = launch_while(cfg, plan, scrape_ray_metrics(out.name, scraped))
     rows = _rows(out)
     assert _train_iterations(rows) == list(range(1, ITERS + 1))
-    return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows)}
+    return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows),
+            "ray_metrics": scraped}
+
+
+def scrape_ray_metrics(run: str, lines: list):
+    """A ``launch_while`` action: every second, the node's metrics endpoint (what Prometheus
+    scrapes); keeps the last scrape's ``ray_ppu_*`` samples of ``run``."""
+    import ray
+    import urllib.request
+
+    port = ray.nodes()[0]["MetricsExportPort"]
+
+    def action(stop: threading.Event) -> None:
+        while not stop.wait(1.0):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                continue
+            found = [line for line in text.splitlines()
+                     if line.startswith("ray_ppu_") and f'run="{run}"' in line]
+            if found:
+                lines[:] = found
+
+    return action
 
 
 def _train_workers() -> list:

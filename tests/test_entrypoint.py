@@ -60,3 +60,7 @@ def test_stop_signal_ends_the_job_and_its_workers(corpus, tmp_path):
                        "ray_ppu_meta.json").read_text())
     assert meta["iteration"] == stopped
     assert "run the same config again to resume" in output
+    # the end of the run writes its report (rendered in a browser by tests/test_report.py)
+    report = (out / "report.html").read_text()
+    assert report.count("<svg") >= 3 and f"{stopped}" in report
+    assert final["mfu"] > 0 and final["tflops_per_device"] > 0  # the result carries the last row

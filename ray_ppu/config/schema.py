@@ -246,6 +246,11 @@ class OutputConfig:
     """Run name shown by Ray Train (default: the output directory's name)."""
     tensorboard: bool = True
     """Write TensorBoard event files under <dir>/tensorboard."""
+    ray_metrics: bool = True
+    """Export each logged row to Ray's metrics pipeline (``ray.util.metrics``: the dashboard's
+    Metrics view, Prometheus, cluster/grafana/ray_ppu.json), tagged by run name and rank."""
+    report: bool = True
+    """Write <dir>/report.html (plots, config, events) when the run ends."""
     sample_log: bool = False
     """Record the sample ids every iteration trained on, per data-reading rank, in
     <dir>/samples/rank_NNNNN.jsonl (an audit of the data the run saw; restarts re-log the
@@ -279,6 +284,9 @@ class ClusterConfig:
     accelerator: Literal["ppu-810e", "h100", "h200", "a100"] = "ppu-810e"
     """Device model the workers run on (``ray_ppu.devices.specs``): its bf16 peak is the MFU
     denominator and its memory the budget of the memory plan."""
+    peak_tflops: Optional[float] = None
+    """bf16 peak TFLOP/s of one device, the MFU denominator; None = the accelerator's figure
+    (ppu-810e 123, h100 / h200 989, a100 312)."""
     resource_name: str = "PPU"
     """Name of the custom Ray resource that counts devices on a node."""
     simulated_ppus: int = 0

@@ -24,3 +24,8 @@ SPECS: dict[str, DeviceSpec] = {
     "h200": DeviceSpec("NVIDIA H200 SXM", 989.0, 139.8),
     "a100": DeviceSpec("NVIDIA A100 80GB", 312.0, 80.0),
 }
+
+
+def peak_tflops(accelerator: str, override: "float | None" = None) -> float:
+    """The MFU denominator: ``cluster.peak_tflops`` when set, else the table's bf16 peak."""
+    return override or SPECS[accelerator].bf16_tflops

@@ -1,0 +1,276 @@
+"""Preflight: before any index is built or worker placed, ask every PPU node whether it can
+run this job.
+
+One small Ray task per alive node that advertises ``cluster.resource_name``, pinned to it
+(``NodeAffinitySchedulingStrategy(soft=False)``, no CPU), checks there:
+
+* ``output.dir`` and the index cache (``data.index_cache_dir``, default
+  ``<output.dir>/index_cache``) exist or can be created, and take a new file;
+* every data path can be read: idxmap prefixes' ``.bin`` and ``.idx``; SFT files, directories
+  and globs match at least one readable data file; ``data.tokenizer`` and ``checkpoint.load``
+  exist and can be listed;
+* whether Transformer Engine imports, whether ``torch.cuda`` sees a device, and what
+  ``cluster.device`` resolves to — and, when the run asks for options only Transformer Engine
+  provides (:func:`ray_ppu.megatron_settings.needs_transformer_engine`), that this node can
+  give them.
+
+:func:`run` returns the per-node report (``--dry-run`` prints it); :func:`check` raises
+``ClusterError`` listing every problem per node. A node that does not answer within
+``cluster.placement_timeout_s`` is a problem too: nothing waits forever. The node side imports
+only the standard library, torch and (for SFT) the SFT input resolver.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_ppu.config.schema import RunConfig
+
+log = logging.getLogger("ray_ppu")
+
+
+def _index_cache(cfg: RunConfig) -> str:
+    return cfg.data.index_cache_dir or str(Path(cfg.output.dir) / "index_cache")
+
+
+def _abs(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def plan_checks(cfg: RunConfig) -> dict:
+    """What every node checks, as plain data (paths made absolute here, on the driver)."""
+    from ray_ppu.data.idxmap import parse_blend
+    from ray_ppu.megatron_settings import needs_transformer_engine
+
+    d = cfg.data
+    files: list[tuple[str, str]] = []  # (config key, file that must be readable)
+    inputs: list[tuple[str, str]] = []  # (config key, SFT file / directory / glob)
+    dirs: list[tuple[str, str]] = []  # (config key, directory that must exist and be listable)
+    for key, items in (("data.data_path", d.data_path),
+                       ("data.valid_data_path", d.valid_data_path)):
+        if not items:
+            continue
+        if d.dataset == "sft":
+            inputs += [(key, str(Path(i).expanduser().absolute())) for i in items]
+        else:
+            prefixes, _ = parse_blend(items, key)
+            files += [(key, _abs(p) + ext) for p in prefixes for ext in (".bin", ".idx")]
+    if d.tokenizer:
+        dirs.append(("data.tokenizer", _abs(d.tokenizer)))
+    return {
+        "writable": [("output.dir", _abs(cfg.output.dir)),
+                     ("data.index_cache_dir", _abs(_index_cache(cfg)))],
+        "files": files,
+        "inputs": inputs,
+        "dirs": dirs,
+        "load": _abs(cfg.checkpoint.load) if cfg.checkpoint.load else None,
+        "device": cfg.cluster.device,
+        "needs_te": needs_transformer_engine(cfg),
+    }
+
+
+# --- on the node ------------------------------------------------------------------------------
+
+
+def _why(err: BaseException) -> str:
+    return getattr(err, "strerror", None) or str(err) or type(err).__name__
+
+
+def _check_writable(key: str, path: str) -> Optional[str]:
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"{key} {path}: cannot create the directory: {_why(err)}"
+    if not os.path.isdir(path):
+        return f"{key} {path}: not a directory"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".ray_ppu_preflight_", dir=path)
+        try:
+            os.write(fd, b"ok")
+        finally:
+            os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        return f"{key} {path}: not writable (cannot create a file there: {_why(err)})"
+    return None
+
+
+def _check_readable_file(key: str, path: str) -> Optional[str]:
+    if not os.path.exists(path):
+        return f"{key} {path}: missing"
+    if not os.path.isfile(path):
+        return f"{key} {path}: not a file"
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as err:
+        return f"{key} {path}: not readable: {_why(err)}"
+    return None
+
+
+def _check_listable_dir(key: str, path: str) -> Optional[str]:
+    if not os.path.exists(path):
+        return f"{key} {path}: missing"
+    if not os.path.isdir(path):
+        return f"{key} {path}: not a directory"
+    try:
+        os.listdir(path)
+    except OSError as err:
+        return f"{key} {path}: not readable: {_why(err)}"
+    return None
+
+
+def _check_input(key: str, spec: str) -> Optional[str]:
+    """An SFT file / directory / glob: at least one data file, every one of them readable."""
+    from ray_ppu.data.preprocess import PreprocessError, resolve_inputs
+
+    if not os.path.exists(spec) and not glob.has_magic(spec):
+        return f"{key} {spec}: missing"
+    try:
+        found = resolve_inputs([spec])
+    except (PreprocessError, OSError) as err:  # PreprocessError's message starts with the path
+        return f"{key} {err}" if str(err).startswith(spec) else f"{key} {spec}: {_why(err)}"
+    for path in found:
+        problem = _check_readable_file(key, path)
+        if problem:
+            return problem
+    return None
+
+
+def _device_facts(requested: str) -> dict:
+    """torch.cuda, Transformer Engine and what ``cluster.device`` resolves to, on this node."""
+    facts: dict = {"cuda": False, "cuda_devices": 0, "transformer_engine": False,
+                   "transformer_engine_error": None, "device": None, "device_error": None}
+    try:
+        import torch
+
+        facts["cuda"] = bool(torch.cuda.is_available())
+        facts["cuda_devices"] = torch.cuda.device_count() if facts["cuda"] else 0
+    except Exception as err:  # a broken torch build is something to report, not to crash on
+        facts["device_error"] = f"torch: {err}"
+    try:
+        importlib.import_module("transformer_engine.pytorch")  # what Megatron's TE spec imports
+
+        facts["transformer_engine"] = True
+    except Exception as err:  # ImportError, or a build broken against this torch
+        facts["transformer_engine_error"] = f"{type(err).__name__}: {err}"
+    if requested == "auto":
+        facts["device"] = "ppu" if facts["cuda"] else "cpu"
+    elif requested == "ppu" and not facts["cuda"]:
+        facts["device_error"] = ("cluster.device=ppu, but torch.cuda reports no device on this "
+                                 "node (check the PPU driver and runtime)")
+    else:
+        facts["device"] = requested
+    return facts
+
+
+def node_check(checks: dict) -> dict:
+    """Run on one node: its problems (one line each) and device facts."""
+    started = time.perf_counter()
+    problems: list[str] = []
+    for key, path in checks["writable"]:
+        problems.append(_check_writable(key, path))
+    for key, path in checks["files"]:
+        problems.append(_check_readable_file(key, path))
+    for key, spec in checks["inputs"]:
+        problems.append(_check_input(key, spec))
+    for key, path in checks["dirs"]:
+        problems.append(_check_listable_dir(key, path))
+    if checks["load"]:
+        load = checks["load"]
+        problems.append(_check_listable_dir("checkpoint.load", load) if os.path.isdir(load)
+                        else f"checkpoint.load {load}: missing" if not os.path.exists(load)
+                        else f"checkpoint.load {load}: not a directory")
+    facts = _device_facts(checks["device"])
+    if facts["device_error"]:
+        problems.append(facts["device_error"])
+    needs = checks["needs_te"]
+    if needs and not (facts["device"] == "ppu" and facts["transformer_engine"]):
+        why = ("cluster.device=cpu" if checks["device"] == "cpu"
+               else f"cluster.device={checks['device']} resolves to cpu here (torch.cuda sees "
+                    f"no device)" if facts["device"] == "cpu"
+               else f"Transformer Engine does not import here "
+                    f"({facts['transformer_engine_error']})" if facts["device"] == "ppu"
+               else "no usable device here")
+        problems.append("the run asks for options only Transformer Engine provides: "
+                        + "; ".join(needs) + f"; but {why}")
+    return {"problems": [p for p in problems if p], **facts,
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+# --- on the driver ----------------------------------------------------------------------------
+
+_node_check_task = ray.remote(node_check)
+
+
+def ppu_nodes(resource_name: str) -> list[dict]:
+    """Alive nodes that advertise ``resource_name``."""
+    return [n for n in ray.nodes()
+            if n.get("Alive") and n.get("Resources", {}).get(resource_name, 0) > 0]
+
+
+def _node_name(node: dict) -> str:
+    return f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}"
+
+
+def run(cfg: RunConfig) -> dict:
+    """Check every PPU node; ``{"ok", "nodes": [{"node", "problems", cuda / TE / device
+    facts}], "problems": [one line per problem, node first]}``. Never waits longer than
+    ``cluster.placement_timeout_s``."""
+    c = cfg.cluster
+    checks = plan_checks(cfg)
+    nodes = ppu_nodes(c.resource_name)
+    refs = {}
+    for node in nodes:
+        refs[_node_check_task.options(
+            num_cpus=0, max_retries=0, name="ray_ppu_preflight",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+        ).remote(checks)] = node
+    pending = (ray.wait(list(refs), num_returns=len(refs), timeout=c.placement_timeout_s)[1]
+               if refs else [])
+    reports = []
+    for ref, node in refs.items():
+        name = _node_name(node)
+        if ref in pending:
+            ray.cancel(ref, force=True)
+            report = {"problems": [f"no answer within {c.placement_timeout_s:g} s "
+                                   f"(cluster.placement_timeout_s)"]}
+        else:
+            try:
+                report = ray.get(ref)
+            except Exception as err:  # the node died, or the check itself failed
+                report = {"problems": [f"the check failed: {type(err).__name__}: "
+                                       f"{str(err).splitlines()[0] if str(err) else ''}"]}
+        reports.append({"node": name, "node_id": node["NodeID"], **report})
+    problems = [f"{r['node']}: {p}" for r in reports for p in r["problems"]]
+    if not nodes:
+        problems.append(f"no alive node advertises the {c.resource_name} resource")
+    for r in reports:
+        if "device" in r:
+            log.info("preflight %s: %d problem(s); device %s, torch.cuda %s (%d), Transformer "
+                     "Engine %s", r["node"], len(r["problems"]), r["device"] or "-",
+                     r["cuda"], r["cuda_devices"], "yes" if r["transformer_engine"] else "no")
+    return {"ok": not problems, "nodes": reports, "problems": problems}
+
+
+def check(cfg: RunConfig) -> dict:
+    """:func:`run`, raising ``ClusterError`` with every problem on every node."""
+    from ray_ppu.launcher import ClusterError
+
+    result = run(cfg)
+    if not result["ok"]:
+        bad = [r["node"] for r in result["nodes"] if r["problems"]]
+        where = f" on {len(bad)} of {len(result['nodes'])} PPU node(s)" if bad else ""
+        raise ClusterError(f"preflight found {len(result['problems'])} problem(s){where}:\n  "
+                           + "\n  ".join(result["problems"]))
+    return result
