@@ -52,8 +52,8 @@ def main() -> None:
         for name, extra in variants.items():
             out = [f"output.dir={Path(base.output.dir) / name}"] if name else []
             cfg = absolute_paths(load(args.config, [*args.overrides, *extra, *out]))
-            if backend == "ppu":
-                torch.cuda.reset_peak_memory_stats()
+            if backend == "ppu":  # each variant's own peak, on this rank's device
+                torch.cuda.reset_peak_memory_stats(int(os.environ.get("LOCAL_RANK", 0)))
             final = train(cfg, backend)
             if dist.get_rank() == 0:
                 print(json.dumps({"variant": name, "final": final} if name else {"final": final}))
