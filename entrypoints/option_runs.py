@@ -31,7 +31,8 @@ WARMUP_ITERS = 2  # step times after these (the first iterations build caches)
 # SP change no arithmetic; other layouts reduce in another order; 16-bit runs round.
 # Optimizer offload is not here: Megatron-Core's hybrid-device optimizer splits states by
 # param.is_cuda, which a CPU-only process has no two sides of (benchmark.py device runs it).
-_FROM_INIT = ["checkpoint.load={out}/init/ray_train/init", "checkpoint.finetune=true"]
+_FROM_INIT = ["checkpoint.load={out}/init/ray_train/init", "checkpoint.finetune=true",
+              "checkpoint.enabled=false"]
 CPU_VARIANTS: dict[str, tuple[list[str], Optional[str], float]] = {
     "init": (["training.train_iters=2", "training.lr_warmup_iters=0"], None, 0.0),
     "plain": (_FROM_INIT, None, 0.0),
@@ -182,7 +183,8 @@ def device_base(corpus: str, iters: int, nproc: int, accelerator: str) -> list[s
             f"training.train_iters={iters}", f"training.global_batch_size={8 * nproc}",
             "training.micro_batch_size=2", "training.seq_length=2048", "training.lr=1e-4",
             "training.min_lr=1e-5", "training.lr_warmup_iters=2", "training.eval_iters=0",
-            "data.split=100,0,0", "output.tensorboard=false"]
+            "data.split=100,0,0", "output.tensorboard=false",
+            "checkpoint.enabled=false"]  # 13 saves of ~7 GB would fill the disk and the time
 
 
 def options(corpus: str, out: Optional[Path] = None) -> dict[str, dict]:

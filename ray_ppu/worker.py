@@ -156,7 +156,8 @@ def run(
 
             final = train(plan, model, optimizer, scheduler, batches,
                           devices.torch_device(backend), cfg.training.log_interval, on_log,
-                          start_iteration, valid_batches, cfg.checkpoint.save_interval, on_save,
+                          start_iteration, valid_batches, cfg.checkpoint.save_interval,
+                          on_save if cfg.checkpoint.enabled else None,
                           on_iteration, packed_format(cfg, plan, backend))
             saving(saver.wait)  # background saves finish (and are reported) before returning
             return {**logged, **final, **counts}

@@ -214,6 +214,9 @@ def test_cpu_options_train_with_the_plain_runs_losses(corpus, tmp_path):
     # fine-tuned from the init run's weights: a fresh model (same seed, same data) would repeat
     # the init run's first loss exactly
     assert abs(results["plain"]["losses"][0] - results["init"]["losses"][0]) > 1e-2
+    # checkpoint.enabled=false: the variants wrote no checkpoint; init (which they load) did
+    assert list(tmp_path.glob("init/ray_train/*/iter_*"))
+    assert not list(tmp_path.glob("plain/ray_train/*/iter_*"))
     # fp16 really ran with dynamic loss scaling, without skipping a step at scale 4096
     assert results["fp16_loss_scaling"]["loss_scale"] == 4096
     assert results["fp16_loss_scaling"]["skipped_iterations"] == 0

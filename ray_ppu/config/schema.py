@@ -301,6 +301,9 @@ class ClusterConfig:
 class CheckpointConfig:
     """When checkpoints are written, how many are kept, and where a run starts from."""
 
+    enabled: bool = True
+    """Write checkpoints. false: none at all (benchmarks, smoke tests): a failed or stopped
+    run then has nothing to resume from."""
     save_interval: Optional[int] = None
     """Iterations between checkpoints (one is always written at the end); None = only at the end."""
     keep_last: int = 2
