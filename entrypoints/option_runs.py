@@ -164,7 +164,7 @@ def print_table(variants: dict, results: dict, peak_tflops: float) -> None:
               f"{r['tflops_per_device'] / peak_tflops:6.1%}")
 
 
-def cpu_base(corpus: str, iters: int = 4) -> list[str]:
+def cpu_base(corpus: str, iters: int = 3) -> list[str]:
     """The CPU matrix's base run: tiny model with 4 layers (VP needs 2 per stage), fp32, DP 2."""
     return [f"data.data_path=[{corpus}]", "cluster.device=cpu", "cluster.num_workers=2",
             "training.precision=fp32", "model.preset=tiny", "model.num_layers=4",
