@@ -215,8 +215,7 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         check_capacity(cfg)
         from ray_ppu import preflight  # (it imports this module's ClusterError)
 
-        preflight.check(cfg)
-        backend = _resolve_backend(cfg)
+        backend = _backend(preflight.check(cfg))
         if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
             rows = _as_config_error(sft_store.prepare, spec)
             log.info("SFT rows: %d train (%d samples needed: %.2f epochs), %d validation",
@@ -308,16 +307,12 @@ def _prepare_indices(spec: idxmap.SampleSpec) -> dict:
     return samples
 
 
-def _resolve_backend(cfg: RunConfig) -> devices.Backend:
-    """The device backend, decided where the workers will run (a node holding PPUs)."""
-    c = cfg.cluster
-    probe = ray.remote(devices.resolve).options(
-        num_cpus=0, resources={c.resource_name: c.ppu_per_worker}
-    )
-    try:
-        return ray.get(probe.remote(c.device), timeout=c.placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise ClusterError(
-            f"no node could take one worker's {c.ppu_per_worker:g} {c.resource_name} within "
-            f"{c.placement_timeout_s:g} s (cluster.placement_timeout_s)"
-        ) from None
+def _backend(preflight_result: dict) -> devices.Backend:
+    """The device backend, as the preflight resolved ``cluster.device`` on the PPU nodes (where
+    the workers will run); nodes that disagree are an error naming them."""
+    found = {r["device"]: r["node"] for r in preflight_result["nodes"]}
+    if len(found) != 1:
+        raise ClusterError("cluster.device resolves differently across the PPU nodes: "
+                           + ", ".join(f"{device} on {node}" for device, node in found.items())
+                           + "; set cluster.device explicitly or fix the nodes' drivers")
+    return next(iter(found))

@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_block import (
 )
 
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.devices import Backend
+from ray_ppu.devices import Backend, transformer_engine_error
 from ray_ppu.megatron_settings import (
     ddp_settings,
     needs_transformer_engine,
@@ -31,13 +31,7 @@ from ray_ppu.plan import Plan
 
 def transformer_engine_available(backend: Backend) -> bool:
     """Transformer Engine is used only on a device backend and only when it imports."""
-    if backend != "ppu":
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a broken build against this torch
-        return False
-    return True
+    return backend == "ppu" and transformer_engine_error() is None
 
 
 class RMSNorm(torch.nn.Module):

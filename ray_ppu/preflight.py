@@ -23,7 +23,6 @@ only the standard library, torch and (for SFT) the SFT input resolver.
 from __future__ import annotations
 
 import glob
-import importlib
 import logging
 import os
 import tempfile
@@ -148,29 +147,20 @@ def _check_input(key: str, spec: str) -> Optional[str]:
 
 
 def _device_facts(requested: str) -> dict:
-    """torch.cuda, Transformer Engine and what ``cluster.device`` resolves to, on this node."""
-    facts: dict = {"cuda": False, "cuda_devices": 0, "transformer_engine": False,
-                   "transformer_engine_error": None, "device": None, "device_error": None}
-    try:
-        import torch
+    """torch.cuda, Transformer Engine and what ``cluster.device`` resolves to, on this node
+    (the workers' own rules: ``devices.resolve``, ``devices.transformer_engine_error``)."""
+    import torch
 
-        facts["cuda"] = bool(torch.cuda.is_available())
-        facts["cuda_devices"] = torch.cuda.device_count() if facts["cuda"] else 0
-    except Exception as err:  # a broken torch build is something to report, not to crash on
-        facts["device_error"] = f"torch: {err}"
-    try:
-        importlib.import_module("transformer_engine.pytorch")  # what Megatron's TE spec imports
+    from ray_ppu import devices
 
-        facts["transformer_engine"] = True
-    except Exception as err:  # ImportError, or a build broken against this torch
-        facts["transformer_engine_error"] = f"{type(err).__name__}: {err}"
-    if requested == "auto":
-        facts["device"] = "ppu" if facts["cuda"] else "cpu"
-    elif requested == "ppu" and not facts["cuda"]:
-        facts["device_error"] = ("cluster.device=ppu, but torch.cuda reports no device on this "
-                                 "node (check the PPU driver and runtime)")
-    else:
-        facts["device"] = requested
+    facts: dict = {"cuda": bool(torch.cuda.is_available()), "device": None, "device_error": None}
+    facts["cuda_devices"] = torch.cuda.device_count() if facts["cuda"] else 0
+    facts["transformer_engine_error"] = devices.transformer_engine_error()
+    facts["transformer_engine"] = facts["transformer_engine_error"] is None
+    try:
+        facts["device"] = devices.resolve(requested)
+    except (RuntimeError, ValueError) as err:
+        facts["device_error"] = str(err)
     return facts
 
 

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Optional
 
 import torch
 
@@ -27,6 +27,16 @@ def resolve(requested: str) -> Backend:
     if requested not in ("ppu", "cpu"):
         raise ValueError(f"unknown device backend {requested!r}: expected auto, ppu or cpu")
     return requested  # type: ignore[return-value]
+
+
+def transformer_engine_error() -> Optional[str]:
+    """None when Transformer Engine's torch layers import here (what Megatron-Core's TE spec
+    uses), else why not (not installed, or a build broken against this torch)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def dist_backend(backend: Backend) -> str:
