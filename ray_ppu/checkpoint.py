@@ -96,6 +96,16 @@ class Meta:
     format_version: int = FORMAT_VERSION
     files: Optional[dict] = None
     """Every file the save wrote (name → bytes): a load first checks they are all there."""
+    weights_only: bool = False
+    """Model weights and nothing else (``convert_checkpoint.py hf-to-mcore``): always loaded
+    as a fine-tune start (iteration 0, fresh optimizer and data)."""
+    model: Optional[dict] = None
+    """The ModelConfig the weights belong to (export and generation read it)."""
+    hf_config: Optional[dict] = None
+    """The Hugging Face config.json the run's weights came from, if they did (export writes it
+    back, with its token ids and other fields ray_ppu has no use for)."""
+    hf_source: Optional[str] = None
+    """That Hugging Face directory (export copies its tokenizer and generation config)."""
 
     @classmethod
     def from_dict(cls, values: dict) -> "Meta":
@@ -244,7 +254,8 @@ def resume_point(cfg: RunConfig) -> Optional[ResumePoint]:
     if found is None:
         raise CheckpointError(f"checkpoint.load {load}: no complete checkpoint there "
                               f"(a directory with {META_FILE}, or a directory of them)")
-    return ResumePoint(str(found[0].resolve()), found[1], weights_only=cfg.checkpoint.finetune)
+    return ResumePoint(str(found[0].resolve()), found[1],
+                       weights_only=cfg.checkpoint.finetune or found[1].weights_only)
 
 
 def check_config(cfg: RunConfig) -> None:
@@ -257,6 +268,27 @@ def check_config(cfg: RunConfig) -> None:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last}: expected ≥ 1")
     if c.finetune and not c.load:
         raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to start from)")
+    if c.pretrained:
+        if c.load:
+            raise ConfigError(f"checkpoint.pretrained={c.pretrained} and checkpoint.load={c.load}: "
+                              f"set one (the weights a fresh run starts from)")
+        from ray_ppu.hf.weights import check_checkpoint
+
+        check_checkpoint(c.pretrained, cfg.model)
+
+
+def origin(cfg: RunConfig, resume: Optional[ResumePoint]) -> dict:
+    """Where the run's weights came from, for its checkpoints' meta: the Hugging Face config
+    and directory of ``checkpoint.pretrained``, or carried over from the checkpoint it loaded."""
+    if resume is not None:
+        meta = resume.meta
+        return {"hf_config": meta.hf_config, "hf_source": meta.hf_source}
+    if cfg.checkpoint.pretrained:
+        from ray_ppu.hf import config as hf_config
+
+        source = Path(cfg.checkpoint.pretrained).expanduser().resolve()
+        return {"hf_config": hf_config.read(source), "hf_source": str(source)}
+    return {}
 
 
 def stream_start(cfg: RunConfig, eval_interval: int, eval_iters: int, token: str,
@@ -565,8 +597,9 @@ class Saver:
     """
 
     def __init__(self, root: str | Path, plan, cfg: RunConfig, with_cuda_rng: bool = False,
-                 async_save: bool = False) -> None:
+                 async_save: bool = False, origin: Optional[dict] = None) -> None:
         self.root, self.plan, self.cfg = Path(root), plan, cfg
+        self.origin = origin or {}
         self.with_cuda_rng = with_cuda_rng
         self.queue = None
         if async_save:
@@ -581,6 +614,7 @@ class Saver:
         1. Rank 0 creates a fresh ``iter_…`` directory; every rank learns its name.
         2. Every rank writes (or stages) its shards of model, optimizer and RNG states
            (torch_dist; replicated tensors spread over the DP ranks); rank 0 the common part.
+           Without ``optimizer`` and ``scheduler``: the weights only (a conversion).
         3. Sync: complete it now. Async: complete it in a later :meth:`poll`.
         """
         from megatron.core import dist_checkpointing, parallel_state
@@ -593,10 +627,11 @@ class Saver:
 
         path = _new_dir(self.root, iteration)
         state = _sharded_state(model, optimizer, is_loading=False)
-        state["scheduler"] = scheduler.state_dict()
         state["iteration"] = iteration
         state["consumed_samples"] = consumed_samples(iteration, self.plan.global_batch_size)
-        state["rng_state"] = _rng_sharded(self.with_cuda_rng)
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
+            state["rng_state"] = _rng_sharded(self.with_cuda_rng)
         strategy = FullyParallelSaveStrategyWrapper(
             get_default_save_sharded_strategy("torch_dist"),
             parallel_state.get_data_parallel_group(with_context_parallel=True),
@@ -608,7 +643,7 @@ class Saver:
         except (Exception, CheckpointException) as err:
             error = _write_error(err)
         if self.queue is None or error is not None:
-            return [self._complete(path, iteration, tag, error)]
+            return [self._complete(path, iteration, tag, error, weights_only=optimizer is None)]
         self.pending[self.queue.schedule_async_request(request)] = (path, iteration, tag)
         return []
 
@@ -629,7 +664,8 @@ class Saver:
         """Complete every background save (end of training)."""
         return self.poll(blocking=True)
 
-    def _complete(self, path: Path, iteration: int, tag, error: Optional[str] = None) -> tuple:
+    def _complete(self, path: Path, iteration: int, tag, error: Optional[str] = None,
+                  weights_only: bool = False) -> tuple:
         _agree_saved(path, iteration, error)
         plan = self.plan
         meta = Meta(
@@ -646,6 +682,9 @@ class Saver:
             saved_at=time.time(),
             files={f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
             if dist.get_rank() == 0 else None,
+            weights_only=weights_only,
+            model=dataclasses.asdict(self.cfg.model),
+            **self.origin,
         )
         error = None
         if dist.get_rank() == 0:
@@ -708,7 +747,8 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
             _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     if resume.weights_only:
         # The optimizer copied the (random) weights into its main parameters when it was built.
-        optimizer.reload_model_params()
+        if optimizer is not None:
+            optimizer.reload_model_params()
         return 0
     # no_grad: Megatron-Core 0.16.1's dp_reshardable loader copies into the main parameters
     # without it (its other loaders have it); in fp32 they are views of the model parameters,

@@ -102,10 +102,32 @@ def packed_format(cfg: RunConfig, plan: Plan, backend: Backend) -> Optional[str]
     return "thd" if uses_transformer_engine(cfg, transformer_engine_available(backend)) else "mask"
 
 
-def build_model(cfg: RunConfig, plan: Plan, backend: Backend) -> tuple[list[DistributedDataParallel], TransformerConfig]:
+def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
+    """Keep the rows Megatron pads the vocabulary with (to a multiple of 128 × TP) out of the
+    softmax: their logits are set to -inf in place, on the TP ranks that hold them, so the loss
+    and the predictions are those of the real vocabulary (a Hugging Face model's, exactly), and
+    the padding rows get no gradient. In place: a linear layer does not keep its output for
+    the backward pass, so no copy of the logits is made."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+
+    def hook(module, args, result):
+        logits = result[0]
+        part = logits.shape[-1]  # this rank's vocabulary slice
+        first_padded = vocab_size - tp_rank * part
+        if first_padded < part:
+            logits[..., max(first_padded, 0):].fill_(float("-inf"))
+        return result
+
+    output_layer.register_forward_hook(hook)
+
+
+def build_model(cfg: RunConfig, plan: Plan, backend: Backend,
+                initialize: bool = True) -> tuple[list[DistributedDataParallel], TransformerConfig]:
     """One GPTModel chunk per virtual pipeline stage (in a Float16Module for fp16 / bf16 /
-    fp8), each wrapped in Megatron-Core DDP."""
+    fp8), each wrapped in Megatron-Core DDP. ``initialize`` False skips drawing random weights
+    (they are about to be loaded)."""
     config = transformer_config(cfg, plan, backend)
+    config.perform_initialization = initialize
     if uses_transformer_engine(cfg, transformer_engine_available(backend)):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -134,6 +156,8 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend) -> tuple[list[Dist
             rope_scaling_factor=cfg.model.rope_scaling_factor,
             vp_stage=stage,
         )
+        if model.post_process and plan.padded_vocab_size > cfg.model.vocab_size:
+            mask_padded_vocab(model.output_layer, cfg.model.vocab_size)
         if backend == "ppu":
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:

@@ -8,7 +8,7 @@ One small Ray task per alive node that advertises ``cluster.resource_name``, pin
   ``<output.dir>/index_cache``) exist or can be created, and take a new file;
 * every data path can be read: idxmap prefixes' ``.bin`` and ``.idx``; SFT files, directories
   and globs match at least one readable data file; ``data.tokenizer`` and ``checkpoint.load``
-  exist and can be listed;
+  exist and can be listed; ``checkpoint.pretrained``'s config.json and safetensors files read;
 * whether Transformer Engine imports, whether ``torch.cuda`` sees a device, and what
   ``cluster.device`` resolves to — and, when the run asks for options only Transformer Engine
   provides (:func:`ray_ppu.megatron_settings.needs_transformer_engine`), that this node can
@@ -66,6 +66,12 @@ def plan_checks(cfg: RunConfig) -> dict:
             files += [(key, _abs(p) + ext) for p in prefixes for ext in (".bin", ".idx")]
     if d.tokenizer:
         dirs.append(("data.tokenizer", _abs(d.tokenizer)))
+    if cfg.checkpoint.pretrained:  # config.json and every safetensors file the ranks read
+        from ray_ppu.hf.files import Checkpoint
+
+        weights = sorted({str(p) for p in Checkpoint(_abs(cfg.checkpoint.pretrained)).files.values()})
+        files += [("checkpoint.pretrained", p)
+                  for p in [_abs(str(Path(cfg.checkpoint.pretrained) / "config.json")), *weights]]
     return {
         "writable": [("output.dir", _abs(cfg.output.dir)),
                      ("data.index_cache_dir", _abs(_index_cache(cfg)))],

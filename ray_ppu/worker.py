@@ -52,6 +52,8 @@ def run(
     2. Megatron parallel groups and seeds on the existing process group.
     3. GPTModel chunks in Megatron DDP; Megatron optimizer and LR schedule.
     4. Load ``resume`` (weights, optimizer, schedule, RNG); check it starts where the data does.
+       Without one, the Hugging Face weights of ``checkpoint.pretrained``, if set (each rank
+       reads its own slices).
     5. The loop, saving every ``checkpoint.save_interval`` iterations, at the end and when
        interrupted (in the background with ``checkpoint.async_save``: completed after later
        iterations, all before returning); rank 0 writes metrics.jsonl (training, validation,
@@ -89,7 +91,8 @@ def run(
 
     root = checkpoint.save_root(cfg)
     saver = checkpoint.Saver(root, plan, cfg, with_cuda_rng=backend == "ppu",
-                             async_save=cfg.checkpoint.async_save)
+                             async_save=cfg.checkpoint.async_save,
+                             origin=checkpoint.origin(cfg, resume))
 
     def saving(step: Callable[[], list]) -> None:
         """Run a save step (start, poll, wait); log, report and keep what it completed,
@@ -131,7 +134,9 @@ def run(
     with devices.bound(backend, device_id):
         parallel.initialize(plan, cfg.training.seed)
         try:
-            model, _ = build_model(cfg, plan, backend)
+            # random weights only where nothing is loaded over them
+            model, _ = build_model(cfg, plan, backend, initialize=resume is None
+                                   and not cfg.checkpoint.pretrained)
             optimizer, scheduler = build_optimizer(cfg, plan, model)
             if resume is not None:
                 start = time.perf_counter()
@@ -144,6 +149,16 @@ def run(
                     log.info("loaded %s%s in %.1f s: training continues at iteration %d",
                              resume.path, " (weights only)" if resume.weights_only else "",
                              time.perf_counter() - start, loaded)
+            elif cfg.checkpoint.pretrained:
+                from ray_ppu.hf.weights import load_pretrained
+
+                took = load_pretrained(model, cfg.checkpoint.pretrained, cfg.model,
+                                       plan.padded_vocab_size)
+                optimizer.reload_model_params()  # its fp32 main copies still hold the init
+                if rank0:
+                    log.info("loaded Hugging Face weights from %s in %.1f s (rank 0 read "
+                             "%.2f GB)", cfg.checkpoint.pretrained, took["seconds"],
+                             took["bytes_read"] / 1e9)
 
             if rank0:  # after the load: the resume decision was made before this group began
                 checkpoint.remove_incomplete(root)

@@ -108,8 +108,17 @@ def _build_section(cls: type, values: dict, section: str, base: Any = None) -> A
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
-def _build_model(values: dict) -> ModelConfig:
+def _build_model(values: dict, pretrained: Any = None) -> ModelConfig:
+    """The model section on top of its preset; with ``checkpoint.pretrained`` the architecture
+    comes from (or is checked against) that directory's config.json."""
     values = dict(values)
+    if pretrained:
+        from ray_ppu.hf.config import TRAINING_FIELDS, resolve_model
+
+        if "preset" not in values and set(values) <= set(TRAINING_FIELDS):
+            derived = resolve_model(None, str(pretrained))
+            return _build_section(ModelConfig, values, "model", base=derived)
+        return resolve_model(_build_model(values), str(pretrained))
     name = values.pop("preset", "tiny")
     if name not in PRESETS:
         raise ConfigError(
@@ -129,11 +138,11 @@ def from_dict(tree: dict) -> RunConfig:
             raise ConfigError(f"unknown section '{name}'{_did_you_mean(name, sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"section '{name}' must be a mapping, got {values!r}")
-        if name == "model":
-            built[name] = _build_model(values)
-        else:
+        if name != "model":
             built[name] = _build_section(hints[name], values, name)
-    built.setdefault("model", PRESETS["tiny"])
+    pretrained = built["checkpoint"].pretrained if "checkpoint" in built else None
+    model = (tree or {}).get("model", {})
+    built["model"] = _build_model(model, pretrained) if model or pretrained else PRESETS["tiny"]
     return RunConfig(**built)
 
 

@@ -312,6 +312,14 @@ class CheckpointConfig:
     """Checkpoint directory (or a directory of checkpoints: the latest complete one) to start
     from when the run's own checkpoint directory holds none yet; once the run has saved, its
     restarts resume from its own checkpoints."""
+    pretrained: Optional[str] = None
+    """Hugging Face model directory (config.json + safetensors, one file or shards with an
+    index: Qwen2 / Qwen2.5, LLaMA-3.x) whose weights a fresh run starts from, at any TP / PP /
+    virtual PP: each rank reads only the slices it holds. Without a model section the
+    architecture is config.json's; with one, it must match (an error names each differing
+    field). Iteration, optimizer and data start fresh; once the run has saved, restarts resume
+    from its own checkpoints. Exclusive with ``load`` (``entrypoints/convert_checkpoint.py``
+    turns it into a torch_dist checkpoint for ``load``)."""
     finetune: bool = False
     """Load only the weights from ``load``: fresh optimizer and schedule, iteration 0, data from
     the start (Megatron's --finetune)."""

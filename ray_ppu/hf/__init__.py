@@ -1,0 +1,15 @@
+"""Hugging Face interop: Qwen2 / LLaMA checkpoints in, Hugging Face checkpoints out.
+
+Data flow, one module per arrow::
+
+    config.json            -> config.py   ModelConfig (derived, or checked against the preset)
+    *.safetensors (+index) -> files.py    header-only checks, slice reads, sharded writes
+    HF tensor <-> Megatron -> weights.py  the name and layout mapping, per-rank loading
+    torch_dist checkpoint  -> export.py   one layer at a time, into HF safetensors shards
+
+The Megatron side is always the *layout-independent* form that ``dist_checkpointing`` stores
+(``decoder.layers.self_attention.linear_qkv.weight`` with a leading layer axis, the whole
+vocabulary, every TP shard put together): a model at any TP / PP / virtual PP describes which
+region of it each of its parameters holds (``sharded_state_dict()``), so one mapping serves
+every layout.
+"""

@@ -1,0 +1,213 @@
+"""A Hugging Face ``config.json`` (Qwen2 / LLaMA) as a ModelConfig, and back.
+
+Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (transformers 4,
+what the published Qwen2.5 and LLaMA-3.1 files use) and ``rope_parameters`` (transformers 5).
+What Megatron-Core's GPTModel cannot express (sliding-window attention, an output-projection or
+MLP bias, another activation, RoPE types other than default and llama3 with Megatron's fixed
+llama3 constants) is an error naming the field, never a silently different model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+from ray_ppu.config.loader import ConfigError
+from ray_ppu.config.schema import ModelConfig
+
+CONFIG_FILE = "config.json"
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+# ModelConfig fields that do not describe the published architecture (training choices): a
+# config may set them freely on top of a Hugging Face model.
+TRAINING_FIELDS = ("preset", "init_method_std", "hidden_dropout", "attention_dropout",
+                   "make_vocab_size_divisible_by")
+
+# HF config.json key for each architecture field, as named in error messages.
+HF_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "intermediate_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "rotary_base": "rope_theta",
+    "rope_scaling": "rope_scaling.rope_type",
+    "rope_scaling_factor": "rope_scaling.factor",
+    "norm_epsilon": "rms_norm_eps",
+    "add_qkv_bias": "attention_bias (qwen2: always)",
+    "untie_embeddings_and_output_weights": "tie_word_embeddings (negated)",
+}
+
+# Megatron-Core's llama3 RoPE scaling has these fixed (RotaryEmbedding._apply_scaling).
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
+
+def read(directory: str | Path) -> dict:
+    """The parsed ``config.json`` of a Hugging Face model directory."""
+    path = Path(directory).expanduser() / CONFIG_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} is missing: checkpoint.pretrained must be a Hugging Face model "
+                          f"directory (config.json + *.safetensors)") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read it as JSON ({err})") from None
+
+
+def _rope(hf: dict, where: str) -> tuple[float, Optional[dict]]:
+    """(theta, scaling parameters or None) from either spelling."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", hf.get("rope_theta"))
+        scaling = params if params.get("rope_type", "default") != "default" else None
+    else:
+        theta = hf.get("rope_theta", 10_000.0)
+        scaling = hf.get("rope_scaling")
+    if theta is None:
+        raise ConfigError(f"{where}: no rope_theta")
+    return float(theta), scaling
+
+
+def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
+    """The ModelConfig of a Qwen2 / LLaMA ``config.json`` (``where`` names it in errors)."""
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"{where}: model_type={model_type!r} is not supported (expected one of "
+                          f"{', '.join(map(repr, ARCHITECTURES))}: Qwen2 / Qwen2.5, LLaMA-3.x)")
+    problems = []
+
+    def require(key: str, expected, default=None) -> None:
+        value = hf.get(key, default)
+        if value != expected:
+            problems.append(f"{key}={value!r} (only {expected!r} is supported)")
+
+    require("hidden_act", "silu", "silu")
+    require("mlp_bias", False, False)
+    if model_type == "qwen2":
+        require("use_sliding_window", False, False)
+        qkv_bias = True  # Qwen2 always has Q/K/V biases and no output-projection bias
+    else:
+        require("attention_bias", False, False)  # LLaMA's flag also adds an o_proj bias
+        qkv_bias = False
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if head_dim * heads != hf["hidden_size"]:
+        problems.append(f"head_dim={head_dim} × num_attention_heads={heads} != hidden_size="
+                        f"{hf['hidden_size']} (Megatron derives kv_channels as hidden/heads)")
+    theta, scaling = _rope(hf, where)
+    factor = 8.0
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind != "llama3":
+            problems.append(f"rope_scaling.rope_type={kind!r} (only 'llama3' or none)")
+        else:
+            factor = float(scaling.get("factor", 8.0))
+            for key, fixed in _LLAMA3_FIXED.items():
+                if float(scaling.get(key, fixed)) != fixed:
+                    problems.append(f"rope_scaling.{key}={scaling[key]!r} (Megatron-Core fixes "
+                                    f"it at {fixed:g})")
+    if problems:
+        raise ConfigError(f"{where}: " + "; ".join(problems))
+    if not float(theta).is_integer():
+        raise ConfigError(f"{where}: rope_theta={theta!r} is not an integer")
+    return ModelConfig(
+        preset=None,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf["max_position_embeddings"],
+        rotary_base=int(theta),
+        rope_scaling=scaling is not None,
+        rope_scaling_factor=factor,
+        norm_epsilon=float(hf["rms_norm_eps"]),
+        add_qkv_bias=qkv_bias,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+    )
+
+
+def mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
+    """Architecture fields on which ``ours`` differs from ``theirs`` (from config.json), one
+    'model.x=… but config.json key=…' line each; rope_scaling_factor only with rope_scaling."""
+    lines = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in TRAINING_FIELDS:
+            continue
+        if f.name == "rope_scaling_factor" and not (ours.rope_scaling or theirs.rope_scaling):
+            continue
+        a, b = getattr(ours, f.name), getattr(theirs, f.name)
+        if a != b:
+            lines.append(f"model.{f.name}={a!r} but {HF_NAMES[f.name]} gives {b!r}")
+    return lines
+
+
+def resolve_model(model: Optional[ModelConfig], directory: str | Path) -> ModelConfig:
+    """The model a run with ``checkpoint.pretrained=directory`` trains.
+
+    ``model`` None (the config names no preset or architecture field): the one config.json
+    describes. Otherwise ``model`` must be that architecture: a mismatch is a ConfigError
+    naming every differing field; training-only fields (init std, dropout, vocab padding
+    multiple) are kept from ``model``.
+    """
+    where = str(Path(directory).expanduser() / CONFIG_FILE)
+    theirs = model_from_hf(read(directory), where)
+    if model is None:
+        return theirs
+    wrong = mismatches(model, theirs)
+    if wrong:
+        named = f" (preset {model.preset})" if model.preset else ""
+        raise ConfigError(f"the model config{named} does not match checkpoint.pretrained "
+                          f"{where}: " + "; ".join(wrong)
+                          + ". Leave the model section out to take the architecture from "
+                            "config.json.")
+    return model
+
+
+def to_hf(model: ModelConfig, dtype: str, base: Optional[dict] = None) -> dict:
+    """The ``config.json`` of an exported model: ``base`` (the config.json the run started
+    from) when known, with the architecture checked against ``model``; else a fresh Qwen2
+    (with QKV bias) or LLaMA config in the transformers-4 spelling, which both lines read."""
+    if base is not None:
+        wrong = mismatches(model, model_from_hf(base, "the source config.json"))
+        if wrong:
+            raise ConfigError("the checkpoint's model differs from its source config.json: "
+                              + "; ".join(wrong))
+        out = dict(base)
+        for key in ("torch_dtype", "dtype"):
+            if key in out:
+                out[key] = dtype
+        return out
+    model_type = "qwen2" if model.add_qkv_bias else "llama"
+    out = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "hidden_act": "silu",
+        "num_hidden_layers": model.num_layers,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.kv_channels,
+        "vocab_size": model.vocab_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": float(model.rotary_base),
+        "rope_scaling": ({"rope_type": "llama3", "factor": model.rope_scaling_factor,
+                          **_LLAMA3_FIXED} if model.rope_scaling else None),
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "attention_dropout": 0.0,
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None)
+    return out

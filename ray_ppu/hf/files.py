@@ -1,0 +1,175 @@
+"""Safetensors files of a Hugging Face checkpoint: which file holds which tensor, header-only
+shape checks, slice reads, and writing upstream-style shards.
+
+A directory holds ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
+(``weight_map``: tensor name → file). Reads go through ``safetensors.safe_open``'s slices: a
+rank reads the rows / columns it owns from the memory-mapped file, never a whole tensor it
+does not need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from ray_ppu.config.loader import ConfigError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 * 10**9  # upstream's default max_shard_size="5GB"
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def header(path: Path) -> dict:
+    """A safetensors file's header: {name: {"dtype", "shape", "data_offsets"}} (8 + n bytes
+    read, no tensor data)."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            meta = json.loads(f.read(size))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not a readable safetensors file ({err})") from None
+    meta.pop("__metadata__", None)
+    return meta
+
+
+class Checkpoint:
+    """The tensors of a Hugging Face model directory, read by slices (use as a context
+    manager: files are opened on first use and closed at exit)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory).expanduser()
+        index = self.dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as err:
+                raise ConfigError(f"{index}: not a safetensors index ({err})") from None
+            self.files = {name: self.dir / file for name, file in weight_map.items()}
+        elif (self.dir / SINGLE_FILE).is_file():
+            self.files = {name: self.dir / SINGLE_FILE
+                          for name in header(self.dir / SINGLE_FILE)}
+        else:
+            raise ConfigError(f"{self.dir}: neither {SINGLE_FILE} nor {INDEX_FILE} (only "
+                              f"safetensors checkpoints are read: no pickles)")
+        self._open: dict[Path, object] = {}
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """{tensor name: (shape, safetensors dtype)} from the headers only."""
+        out = {}
+        for path in sorted(set(self.files.values())):
+            if not path.is_file():
+                raise ConfigError(f"{path} is missing (listed in {self.dir / INDEX_FILE})")
+            for name, info in header(path).items():
+                out[name] = (tuple(info["shape"]), info["dtype"])
+        return out
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Every expected tensor is there with its shape (headers only): one error listing
+        every missing or misshapen tensor, naming its file."""
+        found = self.shapes()
+        problems = []
+        for name, shape in expected.items():
+            if name not in found:
+                problems.append(f"{name} missing")
+            elif found[name][0] != tuple(shape):
+                problems.append(f"{name} in {self.files[name].name} has shape "
+                                f"{list(found[name][0])}, expected {list(shape)}")
+            elif found[name][1] not in _DTYPES:
+                problems.append(f"{name} in {self.files[name].name} is {found[name][1]}")
+        if problems:
+            more = f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""
+            raise ConfigError(f"checkpoint.pretrained {self.dir} does not fit the model: "
+                              + "; ".join(problems[:8]) + more)
+
+    def read(self, name: str, rows: Optional[slice] = None,
+             cols: Optional[slice] = None) -> torch.Tensor:
+        """Tensor ``name``, or only ``[rows]`` / ``[rows, cols]`` of it, read from its file."""
+        from safetensors import safe_open
+
+        path = self.files[name]
+        handle = self._open.get(path)
+        if handle is None:
+            handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            self._open[path] = handle
+        part = handle.get_slice(name)
+        if rows is None and cols is None:
+            return part[:]
+        rows = rows or slice(None)
+        return part[rows] if cols is None else part[rows, cols]
+
+
+class ShardedWriter:
+    """Writes tensors into ``model-0000k-of-0000n.safetensors`` shards of at most
+    ``max_bytes`` each (a tensor larger than that gets a shard of its own) plus
+    ``model.safetensors.index.json``, or one ``model.safetensors`` when everything fits one
+    shard, as ``save_pretrained`` lays them out. Holds one shard in memory at a time."""
+
+    def __init__(self, directory: str | Path, max_bytes: int = MAX_SHARD_BYTES) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.written: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total += size
+
+    def add_all(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in tensors:
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.dir / f".shard-{len(self.written):05d}.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Write the last shard, name the shards and write the index; returns the files."""
+        if self.pending or not self.written:
+            self._flush()
+        n = len(self.written)
+        if n == 1:
+            final = self.dir / SINGLE_FILE
+            os.replace(self.written[0][0], final)
+            return [final]
+        weight_map, files = {}, []
+        for k, (tmp, names) in enumerate(self.written, start=1):
+            final = self.dir / f"model-{k:05d}-of-{n:05d}.safetensors"
+            os.replace(tmp, final)
+            files.append(final)
+            weight_map.update({name: final.name for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return [*files, self.dir / INDEX_FILE]
+
+
+def read_all(directory: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a directory, file by file (tests and small models)."""
+    with Checkpoint(directory) as ckpt:
+        for name in sorted(ckpt.files):
+            yield name, ckpt.read(name)

@@ -1,0 +1,225 @@
+"""Hugging Face tensor names and layouts ↔ Megatron-Core GPTModel checkpoint keys.
+
+Every Megatron tensor is described by its rows (dim 0) as a list of :class:`Piece`: row ranges
+of Hugging Face tensors, in order; the other dims are the same on both sides. Loading reads
+the pieces a rank's region overlaps; exporting cuts a whole tensor back into its pieces. The
+layouts (h = hidden, d = head dim, G = query groups, Q = query heads per group, f = ffn, V =
+vocabulary, V' = V padded for TP):
+
+* ``linear_qkv.weight`` [G·(Q+2)·d, h] is grouped: for each group g, its Q query heads, then
+  its key head, then its value head (Megatron's GQA layout: a TP rank owns whole groups).
+  ``linear_qkv.bias`` likewise (Qwen2).
+* ``linear_fc1.weight`` [2f, h] is gate_proj then up_proj (SwiGLU; Megatron re-cuts it per TP
+  rank itself: each rank holds its share of both halves).
+* ``word_embeddings`` / ``output_layer`` [V', h]: the V rows of HF, then V' − V padding rows,
+  zeros on load (:func:`ray_ppu.model.mask_padded_vocab` keeps them out of the softmax) and
+  dropped on export. A tied output layer reads ``embed_tokens``.
+* The two RMSNorm weights are stored under the names Transformer Engine's fused layers give
+  them (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), whatever the spec.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from ray_ppu.config.schema import ModelConfig
+from ray_ppu.hf.files import Checkpoint
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+_LAYER = "decoder.layers."
+QKV = _LAYER + "self_attention.linear_qkv.weight"
+QKV_BIAS = _LAYER + "self_attention.linear_qkv.bias"
+QKV_NORM = _LAYER + "self_attention.linear_qkv.layer_norm_weight"
+PROJ = _LAYER + "self_attention.linear_proj.weight"
+FC1_NORM = _LAYER + "mlp.linear_fc1.layer_norm_weight"
+FC1 = _LAYER + "mlp.linear_fc1.weight"
+FC2 = _LAYER + "mlp.linear_fc2.weight"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``rows`` rows of HF tensor ``name`` from row ``start`` (``name`` None: padding rows)."""
+
+    name: Optional[str]
+    start: int
+    rows: int
+
+
+def layer_keys(model: ModelConfig) -> list[str]:
+    """The per-layer Megatron keys (stored with a leading layer axis)."""
+    keys = [QKV_NORM, QKV, PROJ, FC1_NORM, FC1, FC2]
+    return keys[:2] + [QKV_BIAS] + keys[2:] if model.add_qkv_bias else keys
+
+
+def global_keys(model: ModelConfig) -> list[str]:
+    """The Megatron keys outside the layers."""
+    return [EMBEDDING, FINAL_NORM] + ([OUTPUT] if model.untie_embeddings_and_output_weights else [])
+
+
+def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int]) -> list[Piece]:
+    """The rows of Megatron tensor ``key`` (of ``layer`` for per-layer keys) as HF pieces."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    per_group = model.num_attention_heads // model.num_query_groups
+    hf = f"model.layers.{layer}."
+    if key in (QKV, QKV_BIAS):
+        kind = "weight" if key == QKV else "bias"
+        out = []
+        for g in range(model.num_query_groups):
+            out += [Piece(f"{hf}self_attn.q_proj.{kind}", g * per_group * d, per_group * d),
+                    Piece(f"{hf}self_attn.k_proj.{kind}", g * d, d),
+                    Piece(f"{hf}self_attn.v_proj.{kind}", g * d, d)]
+        return out
+    if key == FC1:
+        return [Piece(f"{hf}mlp.gate_proj.weight", 0, f), Piece(f"{hf}mlp.up_proj.weight", 0, f)]
+    if key in (EMBEDDING, OUTPUT):
+        tied = key == EMBEDDING or not model.untie_embeddings_and_output_weights
+        name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        v = model.vocab_size
+        return [Piece(name, 0, v)] + ([Piece(None, 0, padded_vocab - v)] if padded_vocab > v else [])
+    single = {QKV_NORM: (f"{hf}input_layernorm.weight", h),
+              PROJ: (f"{hf}self_attn.o_proj.weight", h),
+              FC1_NORM: (f"{hf}post_attention_layernorm.weight", h),
+              FC2: (f"{hf}mlp.down_proj.weight", h),
+              FINAL_NORM: ("model.norm.weight", h)}
+    if key not in single:
+        raise KeyError(f"no Hugging Face counterpart for Megatron tensor {key}")
+    name, rows = single[key]
+    return [Piece(name, 0, rows)]
+
+
+def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of ``model`` holds, with its shape."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
+    if model.untie_embeddings_and_output_weights:
+        shapes["lm_head.weight"] = (model.vocab_size, h)
+    for layer in range(model.num_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (f, h),
+            p + "mlp.up_proj.weight": (f, h),
+            p + "mlp.down_proj.weight": (h, f),
+        })
+        if model.add_qkv_bias:
+            for proj, size in (("q", q), ("k", kv), ("v", kv)):
+                shapes[f"{p}self_attn.{proj}_proj.bias"] = (size,)
+    return shapes
+
+
+def read_region(ckpt: Checkpoint, model: ModelConfig, padded_vocab: int, key: str,
+                layer: Optional[int], offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """Rows ``offset[0] : offset[0] + shape[0]`` (and likewise columns) of Megatron tensor
+    ``key``, read from only the HF slices they overlap."""
+    first, last = offset[0], offset[0] + shape[0]
+    cols = slice(offset[1], offset[1] + shape[1]) if len(shape) > 1 else None
+    parts, at = [], 0
+    for piece in pieces(model, padded_vocab, key, layer):
+        lo, hi = max(first, at), min(last, at + piece.rows)
+        if lo < hi:
+            rows = slice(piece.start + lo - at, piece.start + hi - at)
+            if piece.name is None:
+                parts.append(torch.zeros((hi - lo, *shape[1:])))
+            else:
+                parts.append(ckpt.read(piece.name, rows, cols))
+        at += piece.rows
+    if at < last:
+        raise ValueError(f"{key}: rows up to {last} asked, the tensor has {at}")
+    dtype = next((p.dtype for p in parts if p.dtype != torch.float32), torch.float32)
+    return torch.cat([p.to(dtype) for p in parts]) if len(parts) > 1 else parts[0]
+
+
+def to_hf(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int],
+          tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A whole Megatron tensor cut back into its Hugging Face tensors (padding dropped; a tied
+    output layer is not exported: HF ties it to ``embed_tokens``)."""
+    if key == OUTPUT and not model.untie_embeddings_and_output_weights:
+        return []
+    grouped: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    at = 0
+    for piece in pieces(model, padded_vocab, key, layer):
+        if piece.name is not None:
+            grouped.setdefault(piece.name, []).append((piece.start, tensor[at:at + piece.rows]))
+        at += piece.rows
+    if at != tensor.shape[0]:
+        raise ValueError(f"{key}: {tensor.shape[0]} rows, the model config implies {at}")
+    return [(name, torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]))
+            for name, parts in grouped.items()]
+
+
+def _unwrap(chunk):
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
+def _sharded_tensors(module) -> Iterator:
+    """The ShardedTensors of a GPTModel chunk: views of its parameters (the SwiGLU fc1
+    factory applied: one view per half)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    state = module.sharded_state_dict()
+    apply_factories(state)
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensor):
+            yield value
+
+
+@torch.no_grad()
+def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: int) -> dict:
+    """Fill this rank's model chunks (any TP / PP / VP, any spec, inside DDP or Float16Module)
+    from a Hugging Face checkpoint, reading only the regions they hold.
+
+    1. For every chunk, its sharded state dict says which region of which Megatron tensor each
+       parameter (half, for fc1) holds; the layer is the global one (PP / VP offsets included).
+    2. Each region is read from the HF slices it overlaps and copied in (cast to the param's dtype).
+    3. Every parameter element must have been written: else an error names the gap.
+
+    Returns {"bytes_read", "seconds"} for this rank.
+    """
+    start = time.perf_counter()
+    read = 0
+    for chunk in chunks:
+        module = _unwrap(chunk)
+        filled = 0
+        for sh in _sharded_tensors(module):
+            prepend = sh.prepend_axis_num
+            layer = sh.global_offset[0] if prepend else None
+            region = read_region(ckpt, model, padded_vocab, sh.key, layer,
+                                 tuple(sh.global_offset[prepend:]), tuple(sh.local_shape))
+            if tuple(region.shape) != tuple(sh.data.shape):
+                raise ValueError(f"{sh.key} (layer {layer}): read {list(region.shape)}, the "
+                                 f"parameter holds {list(sh.data.shape)}")
+            sh.data.copy_(region)
+            filled += sh.data.numel()
+            read += region.numel() * region.element_size()
+        total = sum(p.numel() for p in module.parameters())
+        if filled != total:
+            raise RuntimeError(f"loaded {filled} of the {total} parameter elements of a model "
+                               f"chunk: its sharded state dict does not cover every parameter")
+    return {"bytes_read": read, "seconds": time.perf_counter() - start}
+
+
+def check_checkpoint(directory: str, model: ModelConfig) -> None:
+    """Before any worker starts: the directory holds every tensor ``model`` needs, with its
+    shape (safetensors headers only); a ConfigError names each missing or misshapen one."""
+    Checkpoint(directory).check(hf_shapes(model))
+
+
+def load_pretrained(chunks: list, directory: str, model: ModelConfig, padded_vocab: int) -> dict:
+    """:func:`load_into` from the Hugging Face directory ``directory``."""
+    with Checkpoint(directory) as ckpt:
+        return load_into(chunks, ckpt, model, padded_vocab)
