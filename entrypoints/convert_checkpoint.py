@@ -1,0 +1,106 @@
+"""Convert between Hugging Face model directories and ray_ppu (torch_dist) checkpoints.
+
+    # HF → torch_dist, for runs that start from this model again and again (checkpoint.load=…)
+    python entrypoints/convert_checkpoint.py hf-to-mcore --hf /ckpt/Qwen2.5-7B --out /ckpt/qwen7b_mcore
+    torchrun --nproc-per-node 8 entrypoints/convert_checkpoint.py hf-to-mcore --hf … --out … --tp 8
+
+    # torch_dist (a training checkpoint saved at any TP / PP / DP) → HF safetensors
+    python entrypoints/convert_checkpoint.py mcore-to-hf --checkpoint outputs/run/ray_train/run \\
+        --out /ckpt/qwen7b_sft_hf
+
+hf-to-mcore builds the model at --tp × --pp over the process group (one process, or torchrun's
+ranks, which split the weights between them) and writes ``<out>/iter_0000000``, weights only:
+a run loading it starts at iteration 0 with a fresh optimizer. The layout does not bind the
+runs that load it (torch_dist reshards). Starting straight from the HF directory
+(``checkpoint.pretrained``) needs no conversion at all; this saves the safetensors reads.
+
+mcore-to-hf needs one process and no device: it reads one layer at a time and writes ≤ 5 GB
+shards with an index, config.json (the source model's own when the run started from one),
+generation_config.json and the tokenizer files (--tokenizer, else the source HF directory),
+so the result loads in transformers, vLLM and ModelScope tools. A checkpoint argument may be a
+directory of checkpoints: the latest complete one is exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ray_ppu.config.loader import ConfigError  # noqa: E402
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KB|MB|GB)?$", re.IGNORECASE)
+
+
+def size_bytes(text: str) -> int:
+    """'5GB', '200MB', '1000' → bytes (decimal units, as transformers' max_shard_size)."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size like 5GB, 200MB or 1000")
+    unit = (match.group(2) or "B").upper()
+    return int(float(match.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="Hugging Face directory → torch_dist")
+    to_mcore.add_argument("--hf", required=True, help="Hugging Face model directory")
+    to_mcore.add_argument("--out", required=True, help="where iter_0000000/ is written")
+    to_mcore.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
+    to_mcore.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
+    to_mcore.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
+                          help="stored dtype (default: config.json's torch_dtype)")
+    to_mcore.add_argument("--device", choices=["cpu", "ppu", "auto"], default="cpu",
+                          help="where the model is built (default cpu: no device needed)")
+    to_hf = sub.add_parser("mcore-to-hf", help="torch_dist checkpoint → Hugging Face directory")
+    to_hf.add_argument("--checkpoint", required=True,
+                       help="a checkpoint directory, or a directory of them (the latest)")
+    to_hf.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    to_hf.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                       help="tensor dtype (default: as stored)")
+    to_hf.add_argument("--tokenizer", help="directory whose tokenizer files are copied "
+                                           "(default: the source Hugging Face directory)")
+    to_hf.add_argument("--max-shard-size", type=size_bytes, default="5GB",
+                       help="largest safetensors shard (default 5GB, as upstream)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    try:
+        if args.command == "hf-to-mcore":
+            from ray_ppu.hf.convert import to_mcore
+            from ray_ppu.parallel import process_group
+
+            with process_group("ppu" if args.device == "ppu" else "cpu"):
+                import torch.distributed as dist
+
+                summary = to_mcore(args.hf, args.out, args.tp, args.pp, args.precision,
+                                   args.device)
+                if dist.get_rank() != 0:
+                    return 0
+        else:
+            from ray_ppu.hf.export import export
+
+            summary = export(args.checkpoint, args.out, args.dtype, args.tokenizer,
+                             args.max_shard_size)
+            if not summary["tokenizer"]:
+                print("note: no tokenizer files copied (pass --tokenizer DIR)", file=sys.stderr)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
+    sys.exit(main())

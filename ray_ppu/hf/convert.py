@@ -1,0 +1,63 @@
+"""Hugging Face directory → ray_ppu checkpoint (torch_dist, weights only), for runs that start
+from the same model again and again (``checkpoint.load`` then skips the safetensors reads).
+
+The model is built at the requested TP × PP on the current process group (one process, or
+torchrun ranks: the weights are split across them), filled from the safetensors slices each
+rank holds, and saved with the same code training checkpoints use. torch_dist reshards on load,
+so the layout converted at does not bind the runs that load it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from ray_ppu import checkpoint, devices, parallel
+from ray_ppu.config.loader import ConfigError
+
+# config.json's torch_dtype → the training precision whose parameters keep it exactly
+PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
+             precision: Optional[str] = None, device: str = "cpu") -> dict:
+    """Convert; collective over the current process group. Returns a summary (rank 0's).
+
+    1. The model config from config.json; precision from its torch_dtype unless given.
+    2. The model at TP × PP (DP = the remaining ranks), without random initialisation.
+    3. Every rank reads its slices from the safetensors files.
+    4. A weights-only checkpoint ``<out>/iter_0000000`` (meta: model config, source
+       config.json and directory, so an export restores them).
+    """
+    from ray_ppu.hf import config as hf_config
+    from ray_ppu.hf.weights import load_pretrained
+    from ray_ppu.inference import inference_config, open_source
+    from ray_ppu.model import build_model
+
+    started = time.perf_counter()
+    source = open_source(hf_dir)
+    if source.kind != "hf":
+        raise ConfigError(f"{hf_dir} is not a Hugging Face model directory")
+    raw = hf_config.read(source.path)
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    precision = precision or PRECISION.get(dtype, "fp32")
+    backend = devices.resolve(device)
+    cfg, plan = inference_config(source.model, dist.get_world_size(), tp, pp,
+                                 precision=precision, device=backend)
+    with devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))):
+        parallel.initialize(plan, cfg.training.seed)
+        try:
+            chunks, _ = build_model(cfg, plan, backend, initialize=False)
+            read = load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
+            saver = checkpoint.Saver(out, plan, cfg, origin={"hf_config": raw,
+                                                             "hf_source": str(source.path)})
+            [(path, meta, _)] = saver.save(0, chunks, None, None)
+        finally:
+            parallel.destroy()
+    return {"checkpoint": str(path), "precision": precision, "tp": tp, "pp": pp,
+            "bytes_read_rank0": read["bytes_read"], "files": len(meta.files or {}),
+            "seconds": time.perf_counter() - started}
