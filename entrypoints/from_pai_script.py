@@ -470,7 +470,8 @@ def checkpoint_format(path: str) -> str:
 
 
 def map_checkpoint(a: Arguments, m: Migration, sft: bool, train_iters: int) -> None:
-    """SAVE_INTERVAL, keep every checkpoint, PRETRAIN_CHECKPOINT_PATH (weights only)."""
+    """SAVE_INTERVAL, keep every checkpoint, PRETRAIN_CHECKPOINT_PATH (Hugging Face weights,
+    or a Megatron checkpoint's weights only)."""
     interval = a.integer("SAVE_INTERVAL")
     m.set("checkpoint.save_interval", interval, a.label("SAVE_INTERVAL"))
     written = max(1, -(-train_iters // interval))  # every interval, plus one at the end
@@ -485,24 +486,26 @@ def map_checkpoint(a: Arguments, m: Migration, sft: bool, train_iters: int) -> N
     if path == "none":
         return
     label = a.label("PRETRAIN_CHECKPOINT_PATH")
+    kind = checkpoint_format(path)
+    if kind == "hf":
+        m.set("checkpoint.pretrained", path, label)
+        m.note(f"PRETRAIN_CHECKPOINT_PATH={path} is a Hugging Face model directory: "
+               f"checkpoint.pretrained loads its weights directly at this run's TP/PP (the "
+               f"script's Megatron finds no latest_checkpointed_iteration.txt there and trains "
+               f"from random weights unless it was converted first); its config.json must match "
+               f"model.preset, which the config check enforces")
+        return
     m.set("checkpoint.load", path, label)
     m.set("checkpoint.finetune", True, f"{label}, --no-load-optim --no-load-rng")
     if not sft:
         m.note("PRETRAIN_CHECKPOINT_PATH with SFT=false: the script loads the weights only "
                "(--no-load-optim --no-load-rng) and a converted (release) checkpoint starts at "
                "iteration 0; checkpoint.finetune=true")
-    kind = checkpoint_format(path)
-    convert = ("ray_ppu cannot load Hugging Face weights directly (the HF loader is not in "
-               "ray_ppu yet): convert them to a Megatron/ray_ppu checkpoint and point "
-               "checkpoint.load there")
-    if kind == "hf":
-        m.note(f"PRETRAIN_CHECKPOINT_PATH={path} is a Hugging Face model directory (Megatron "
-               f"finds no latest_checkpointed_iteration.txt there and the script trains from "
-               f"random weights): {convert}")
-    elif kind == "missing":
+    if kind == "missing":
         m.note(f"PRETRAIN_CHECKPOINT_PATH={path} is not on this machine, so its format was not "
                f"checked: if it is a Hugging Face model directory (the PAI guide downloads "
-               f"Qwen2.5 there with modelscope), {convert}")
+               f"Qwen2.5 there with modelscope), set checkpoint.pretrained={path} instead of "
+               f"checkpoint.load and checkpoint.finetune")
 
 
 def run_name(a: Arguments, sft: bool, do: str, train_iters: str, warmup_iters: str) -> str:

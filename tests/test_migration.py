@@ -91,7 +91,8 @@ def test_reference_7b_arguments_dry_run(tmp_path, capsys):
     assert status == 0, err
     assert SP_LINE in err
     assert any(line.startswith("AC=false is none of sel, full, offload, none") for line in err)
-    assert any("not on this machine" in line and "HF loader" in line for line in err)
+    assert any("not on this machine" in line and "set checkpoint.pretrained=" in line
+               for line in err)
     text = (tmp_path / "run.yaml").read_text()
     assert "TRAIN_TOKENS 10000000000 / GLOBAL_BATCH_SIZE 256 / SEQ_LEN 4096 = 9536" in text
     assert_reference_7b(dry_run(tmp_path / "run.yaml"))
@@ -313,14 +314,29 @@ def test_plan_problems_name_the_argument(tmp_path, capsys):
     assert not (tmp_path / "run.yaml").exists()  # nothing written
 
 
-def test_hugging_face_checkpoint_needs_conversion(tmp_path, capsys):
+# Qwen/Qwen2.5-7B config.json (the architecture fields; transformers-4 spelling)
+QWEN2_5_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+              "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+              "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+              "max_position_embeddings": 131072, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+              "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": "bfloat16"}
+
+
+def test_hugging_face_checkpoint_is_loaded_directly(tmp_path, capsys):
     hf = tmp_path / "Qwen2.5-7B"
     hf.mkdir()
-    (hf / "config.json").write_text("{}")
+    (hf / "config.json").write_text(json.dumps(QWEN2_5_7B))
     status, tree, err = migrate(tmp_path, capsys, PRETRAIN_CHECKPOINT_PATH=str(hf))
-    assert status == 0 and tree["checkpoint"]["load"] == str(hf)
+    assert status == 0, err
+    assert tree["checkpoint"]["pretrained"] == str(hf)
+    assert "load" not in tree["checkpoint"] and "finetune" not in tree["checkpoint"]
     assert any(line.startswith(f"PRETRAIN_CHECKPOINT_PATH={hf} is a Hugging Face model directory")
-               and "HF loader is not in ray_ppu" in line for line in err)
+               and "checkpoint.pretrained loads its weights directly" in line for line in err)
+    # the preset (MODEL_SIZE=7B) is checked against config.json
+    (hf / "config.json").write_text(json.dumps({**QWEN2_5_7B, "num_hidden_layers": 32}))
+    status, tree, err = migrate(tmp_path, capsys, PRETRAIN_CHECKPOINT_PATH=str(hf))
+    assert status == 2
+    assert "model.num_layers=28 but num_hidden_layers gives 32" in "\n".join(err)
     status, tree, err = migrate(tmp_path, capsys, PRETRAIN_CHECKPOINT_PATH="none")
     assert status == 0 and "load" not in tree["checkpoint"] and "finetune" not in tree["checkpoint"]
     assert not any(line.startswith("PRETRAIN_CHECKPOINT_PATH") for line in err)

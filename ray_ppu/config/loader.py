@@ -18,7 +18,7 @@ from typing import Any, Iterable, Literal, Union
 import yaml
 
 from ray_ppu.config.presets import PRESETS
-from ray_ppu.config.schema import ModelConfig, RunConfig
+from ray_ppu.config.schema import DataConfig, ModelConfig, RunConfig
 
 
 _SCIENTIFIC = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
@@ -143,6 +143,9 @@ def from_dict(tree: dict) -> RunConfig:
     pretrained = built["checkpoint"].pretrained if "checkpoint" in built else None
     model = (tree or {}).get("model", {})
     built["model"] = _build_model(model, pretrained) if model or pretrained else PRESETS["tiny"]
+    if pretrained and "tokenizer" not in (tree or {}).get("data", {}):
+        # the model's own tokenizer, as the reference tokenizes with PRETRAIN_CHECKPOINT_PATH
+        built["data"] = dataclasses.replace(built.get("data", DataConfig()), tokenizer=pretrained)
     return RunConfig(**built)
 
 

@@ -1,0 +1,120 @@
+"""Greedy-decode a prompt from a checkpoint: the quick look users take after training.
+
+    python entrypoints/generate.py --checkpoint /ckpt/Qwen2.5-0.5B --prompt "def fib(n):"
+    python entrypoints/generate.py --checkpoint outputs/run/ray_train/run --prompt "Hello" \\
+        --max-new-tokens 64 --dump-logits logits.json
+    torchrun --nproc-per-node 8 entrypoints/generate.py --checkpoint … --tp 8 --prompt …
+
+--checkpoint is a Hugging Face directory (config.json + safetensors) or a ray_ppu checkpoint
+(or a directory of them: the latest complete one). The tokenizer is --tokenizer, else the
+Hugging Face directory (for a ray_ppu checkpoint: the one its run started from); --token-ids
+skips tokenizing. --dump-logits writes the prompt's logits (every position, the real
+vocabulary, fp32) as JSON, to compare with another framework's. Under torchrun the model is
+split --tp × --pp ways (other ranks are DP replicas); rank 0 prints.
+
+No KV cache: every new token runs the whole sequence again. A sanity check, not a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ray_ppu.config.loader import ConfigError  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True,
+                        help="Hugging Face directory or ray_ppu checkpoint (directory)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text to continue")
+    prompt.add_argument("--token-ids", help="comma-separated token ids to continue instead")
+    parser.add_argument("--tokenizer", help="Hugging Face tokenizer directory (default: the "
+                                            "checkpoint's Hugging Face directory)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--dump-logits", metavar="FILE", help="write the prompt's logits here")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
+                        help="compute dtype (default: fp32 on CPU, bf16 on a device)")
+    parser.add_argument("--device", choices=["auto", "cpu", "ppu"], default="auto")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """1. Open the checkpoint (format, model config) and the tokenizer: errors before any
+       process group or model exists.
+    2. The process group (torchrun's, or one process), the model at TP × PP, its weights.
+    3. Greedy decoding; rank 0 prints the continuation and dumps the logits.
+    """
+    args = parse_args(argv)
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    from ray_ppu import devices, inference, parallel
+    from ray_ppu.data.tokenizer import load_tokenizer
+
+    try:
+        source = inference.open_source(args.checkpoint)
+        tokenizer_dir = args.tokenizer or source.hf_dir
+        tokenizer = None
+        if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(tokenizer_dir)
+        if args.token_ids is not None:
+            prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
+        elif tokenizer is None:
+            raise ConfigError(f"no tokenizer.json for {source.path}: pass --tokenizer DIR or "
+                              f"--token-ids")
+        else:
+            prompt = tokenizer.encode(args.prompt)
+        if not prompt or max(prompt) >= source.model.vocab_size or min(prompt) < 0:
+            raise ConfigError(f"prompt token ids {prompt[:8]}…: expected 1 or more ids below "
+                              f"vocab_size {source.model.vocab_size}")
+        backend = devices.resolve(args.device)
+    except (ConfigError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    precision = args.precision or ("bf16" if backend == "ppu" else "fp32")
+    stop = (tokenizer.eod,) if tokenizer is not None else ()
+
+    import torch.distributed as dist
+
+    from ray_ppu.model import build_model
+
+    with parallel.process_group(backend):
+        cfg, plan = inference.inference_config(source.model, dist.get_world_size(), args.tp,
+                                               args.pp, precision=precision, device=backend)
+        with devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))):
+            parallel.initialize(plan, cfg.training.seed)
+            try:
+                chunks, _ = build_model(cfg, plan, backend, initialize=False)
+                inference.load_weights(chunks, source, cfg, plan)
+                new, logits = inference.greedy(chunks, prompt, source.model.vocab_size,
+                                               devices.torch_device(backend),
+                                               args.max_new_tokens, stop)
+            finally:
+                parallel.destroy()
+        if dist.get_rank() != 0:
+            return 0
+    result = {"checkpoint": str(source.path), "format": source.kind, "prompt_ids": prompt,
+              "new_ids": new}
+    if tokenizer is not None:
+        result["text"] = tokenizer.decode(new)
+    if args.dump_logits:
+        Path(args.dump_logits).write_text(json.dumps(
+            {"checkpoint": str(source.path), "token_ids": prompt, "vocab_size": logits.shape[1],
+             "logits": logits.cpu().tolist()}))
+        result["logits"] = args.dump_logits
+    print(json.dumps(result, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
+    sys.exit(main())
