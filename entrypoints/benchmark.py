@@ -8,6 +8,7 @@
     python entrypoints/benchmark.py metrics [--rounds 4] [--iters 30] [key=value ...]
     python entrypoints/benchmark.py options [--dir DIR] [--corpus PREFIX]
     python entrypoints/benchmark.py device [--dir DIR] [--iters 20] [--timeout 120]
+    python entrypoints/benchmark.py hf-load [--sizes-gb 1 2 4] [--ranks 2] [--dir DIR]
 
 ``overhead``: the same tiny training run under Ray Train (embedded local Ray, Ray Data stream)
 and under plain torchrun (in-process reads), alternating so both see the same machine noise.
@@ -33,6 +34,10 @@ short run once per training option (precision, recompute, offload, SP / VP / CP,
 optimizer, attention backend); a table of option, ran, loss matches (its reference variant's
 losses at every iteration), iteration time, peak memory, TFLOP/s and MFU
 (``entrypoints/option_runs.py``).
+
+``hf-load``: synthetic multi-GB Hugging Face checkpoints loaded with ``checkpoint.pretrained``'s
+code by --ranks CPU processes at TP = ranks and at PP = ranks: per-rank load time and peak host
+memory against the checkpoint size (``entrypoints/hf_benchmark.py``).
 
 ``recovery``: node loss under Ray Train V2 on a simulated multi-node cluster
 (``ray.cluster_utils.Cluster``: a CPU-only head and three nodes with one PPU each, one spare).
@@ -981,8 +986,17 @@ def main() -> None:
     dv.add_argument("--corpus", default=None, help="idxmap prefix (default: a small stdlib one)")
     dv.add_argument("--iters", type=int, default=20)
     dv.add_argument("--timeout", type=float, default=120, help="per option")
+    hl = sub.add_parser("hf-load", help="HF checkpoint load time and peak host memory per rank "
+                                         "vs checkpoint size")
+    hl.add_argument("--sizes-gb", type=float, nargs="+", default=[1, 2, 4])
+    hl.add_argument("--ranks", type=int, default=2, help="processes (TP or PP size)")
+    hl.add_argument("--dir", default="outputs/benchmark_hf", help="synthetic checkpoints")
     args = parser.parse_args()
-    if args.bench in ("options", "device"):
+    if args.bench == "hf-load":
+        import hf_benchmark
+
+        hf_benchmark.hf_load(args.sizes_gb, args.ranks, Path(args.dir).resolve())
+    elif args.bench in ("options", "device"):
         import option_runs
 
         work = Path(args.dir).resolve()

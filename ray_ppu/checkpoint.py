@@ -275,6 +275,31 @@ def check_config(cfg: RunConfig) -> None:
         from ray_ppu.hf.weights import check_checkpoint
 
         check_checkpoint(c.pretrained, cfg.model)
+    if c.load:
+        try:
+            start = resume_point(cfg)
+        except CheckpointError:
+            return  # the workers' load names what is wrong with it
+        if start is not None:
+            _check_model(start, cfg)
+
+
+# Fields that shape the weights: a checkpoint of another architecture cannot be loaded.
+_WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "vocab_size", "add_qkv_bias",
+                  "untie_embeddings_and_output_weights")
+
+
+def _check_model(start: ResumePoint, cfg: RunConfig) -> None:
+    """The checkpoint's recorded model (if it records one) has this run's weight shapes."""
+    saved = start.meta.model
+    if not saved:
+        return
+    wrong = [f"model.{k}: checkpoint {saved[k]!r}, this run {getattr(cfg.model, k)!r}"
+             for k in _WEIGHT_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)]
+    if wrong:
+        raise ConfigError(f"{start.path} holds another model than this run's: "
+                          + "; ".join(wrong))
 
 
 def origin(cfg: RunConfig, resume: Optional[ResumePoint]) -> dict:
@@ -712,6 +737,7 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
     meta = read_meta(resume.path)
     if meta is None:
         raise CheckpointError(f"{resume.path}: {META_FILE} disappeared")
+    _check_model(resume, cfg)
     same_layout = (meta.tensor_model_parallel_size == plan.tensor_model_parallel_size
                    and meta.pipeline_model_parallel_size == plan.pipeline_model_parallel_size)
     if not resume.weights_only:

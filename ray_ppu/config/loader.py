@@ -109,23 +109,22 @@ def _build_section(cls: type, values: dict, section: str, base: Any = None) -> A
 
 
 def _build_model(values: dict, pretrained: Any = None) -> ModelConfig:
-    """The model section on top of its preset; with ``checkpoint.pretrained`` the architecture
-    comes from (or is checked against) that directory's config.json."""
+    """The model section on top of its preset. With ``checkpoint.pretrained`` and no preset,
+    on top of that directory's config.json instead; either way the result must then be
+    config.json's architecture (training-only fields aside)."""
     values = dict(values)
-    if pretrained:
-        from ray_ppu.hf.config import TRAINING_FIELDS, resolve_model
-
-        if "preset" not in values and set(values) <= set(TRAINING_FIELDS):
-            derived = resolve_model(None, str(pretrained))
-            return _build_section(ModelConfig, values, "model", base=derived)
-        return resolve_model(_build_model(values), str(pretrained))
-    name = values.pop("preset", "tiny")
-    if name not in PRESETS:
+    name = values.pop("preset", None if pretrained else "tiny")
+    if name is not None and name not in PRESETS:
         raise ConfigError(
             f"unknown model.preset '{name}'{_did_you_mean(str(name), PRESETS)}; "
             f"known presets: {', '.join(PRESETS)}"
         )
-    return _build_section(ModelConfig, values, "model", base=PRESETS[name])
+    if not pretrained:
+        return _build_section(ModelConfig, values, "model", base=PRESETS[name])
+    from ray_ppu.hf.config import resolve_model
+
+    base = PRESETS[name] if name is not None else resolve_model(None, str(pretrained))
+    return resolve_model(_build_section(ModelConfig, values, "model", base=base), str(pretrained))
 
 
 def from_dict(tree: dict) -> RunConfig:

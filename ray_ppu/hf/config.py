@@ -79,6 +79,11 @@ def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{where}: model_type={model_type!r} is not supported (expected one of "
                           f"{', '.join(map(repr, ARCHITECTURES))}: Qwen2 / Qwen2.5, LLaMA-3.x)")
+    absent = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                          "num_attention_heads", "vocab_size", "max_position_embeddings",
+                          "rms_norm_eps") if k not in hf]
+    if absent:
+        raise ConfigError(f"{where}: no {', '.join(absent)}")
     problems = []
 
     def require(key: str, expected, default=None) -> None:

@@ -1,0 +1,183 @@
+"""``benchmark.py hf-load``: loading Hugging Face weights straight into a split model.
+
+For each size, a synthetic Qwen2 checkpoint (Qwen2.5-3B's layer shape, as many layers as the
+size allows, bf16, random values, upstream's ≤ 5 GB shards) is written once under --dir; then
+one torchrun launch of --ranks CPU processes per layout (TP = ranks, or PP = ranks) builds the
+model without initialising it and loads it with ``checkpoint.pretrained``'s code. Every rank
+samples its own /proc/self/status every 5 ms. Printed per size and layout, for the worst rank:
+
+* load time;
+* what the rank must hold (its parameters) and the checkpoint size;
+* peak private memory (RssAnon) during the load above what the built model already took: the
+  transient the loader adds (a slice being read and cast);
+* peak resident memory (VmHWM), which also counts the mapped safetensors pages the rank touched
+  (file-backed page cache, shared and reclaimable).
+
+The page cache is warm (the files were just written or read): load times are the loader's,
+not the disk's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# Qwen/Qwen2.5-3B's layer shape; the layer count is chosen per size
+SHAPE = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
+             num_key_value_heads=2, vocab_size=151_936)
+GB = 10**9
+
+
+def _layers_for(size_gb: float) -> int:
+    h, f, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
+    kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
+    per_layer = 2 * (2 * h * h + 2 * kv * h + 3 * h * f + 2 * h + h + 2 * kv)  # bf16 bytes
+    return max(1, round((size_gb * GB - 2 * v * h) / per_layer))
+
+
+def synthetic_checkpoint(directory: Path, size_gb: float) -> int:
+    """A random bf16 Qwen2 directory of about ``size_gb`` GB (reused if there); its bytes."""
+    from ray_ppu.config.schema import ModelConfig
+    from ray_ppu.hf.config import to_hf
+    from ray_ppu.hf.files import ShardedWriter
+    from ray_ppu.hf.weights import hf_shapes
+
+    layers = _layers_for(size_gb)
+    model = ModelConfig(num_layers=layers, hidden_size=SHAPE["hidden_size"],
+                        ffn_hidden_size=SHAPE["intermediate_size"],
+                        num_attention_heads=SHAPE["num_attention_heads"],
+                        num_query_groups=SHAPE["num_key_value_heads"],
+                        vocab_size=SHAPE["vocab_size"], untie_embeddings_and_output_weights=False)
+    done = directory / "config.json"
+    if not done.is_file():
+        generator = torch.Generator().manual_seed(0)
+        writer = ShardedWriter(directory)
+        for name, shape in hf_shapes(model).items():
+            writer.add(name, (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16))
+        writer.close()
+        done.write_text(json.dumps(to_hf(model, "bfloat16"), indent=2))
+    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+
+
+class _Peaks:
+    """Samples /proc/self/status (kB fields) in a thread; keeps the peaks."""
+
+    def __init__(self) -> None:
+        self.peak: dict[str, int] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> dict[str, int]:
+        fields = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                    fields[key] = int(value.split()[0]) * 1024
+        return fields
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for key, value in self.now().items():
+                self.peak[key] = max(self.peak.get(key, 0), value)
+            time.sleep(0.005)
+
+    def __enter__(self) -> "_Peaks":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def child(directory: str, tp: int, pp: int, out: str) -> None:
+    """One torchrun rank: build the model at TP × PP (bf16, not initialised), load, measure."""
+    import logging
+
+    import torch.distributed as dist
+
+    from ray_ppu import devices, inference, parallel
+    from ray_ppu.hf.weights import load_pretrained
+    from ray_ppu.model import build_model
+
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+    with parallel.process_group("cpu"):
+        source = inference.open_source(directory)
+        cfg, plan = inference.inference_config(source.model, dist.get_world_size(), tp, pp,
+                                               precision="bf16", device="cpu")
+        with devices.bound("cpu", 0):
+            parallel.initialize(plan, 0)
+            try:
+                chunks, _ = build_model(cfg, plan, "cpu", initialize=False)
+                held = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+                before = _Peaks.now()
+                dist.barrier()
+                with _Peaks() as peaks:
+                    took = load_pretrained(chunks, directory, cfg.model, plan.padded_vocab_size)
+            finally:
+                parallel.destroy()
+        row = {"rank": dist.get_rank(), "seconds": took["seconds"], "read": took["bytes_read"],
+               "held": held, "anon_before": before["RssAnon"],
+               "anon_peak": peaks.peak.get("RssAnon", before["RssAnon"]),
+               "hwm": peaks.peak.get("VmHWM", before["VmHWM"])}
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, row)
+        if dist.get_rank() == 0:
+            Path(out).write_text(json.dumps(rows))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hf_load(sizes_gb: list[float], ranks: int, work: Path) -> list[dict]:
+    """Write the checkpoints, launch one torchrun per size and layout, print the table."""
+    results = []
+    print(f"{'size GB':>8} {'layout':>7} {'load s':>7} {'GB/s':>6} {'held GB':>8} "
+          f"{'transient GB':>13} {'peak RSS GB':>12} {'RSS/ckpt':>9}", flush=True)
+    for size in sizes_gb:
+        directory = work / f"qwen2_{size:g}GB"
+        total = synthetic_checkpoint(directory, size)
+        for layout, (tp, pp) in (("TP", (ranks, 1)), ("PP", (1, ranks))):
+            out = work / f"rows_{size:g}_{layout}.json"
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                 "--master-port", str(_free_port()), __file__, str(directory), str(tp), str(pp),
+                 str(out)], capture_output=True, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if proc.returncode:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"the {layout} launch for {size} GB failed")
+            rows = json.loads(out.read_text())
+            worst = max(rows, key=lambda r: r["hwm"])
+            slowest = max(r["seconds"] for r in rows)
+            result = {"size_gb": total / GB, "layout": f"{layout}{ranks}", "seconds": slowest,
+                      "held_gb": worst["held"] / GB,
+                      "transient_gb": max(r["anon_peak"] - r["anon_before"] for r in rows) / GB,
+                      "peak_rss_gb": worst["hwm"] / GB, "rows": rows}
+            results.append(result)
+            print(f"{total / GB:8.2f} {result['layout']:>7} {slowest:7.2f} "
+                  f"{total / GB / slowest:6.2f} {result['held_gb']:8.2f} "
+                  f"{result['transient_gb']:13.3f} {result['peak_rss_gb']:12.2f} "
+                  f"{result['peak_rss_gb'] / (total / GB):9.2f}", flush=True)
+    return results
+
+
+if __name__ == "__main__":  # a torchrun rank of hf_load
+    child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,459 @@
+"""Hugging Face checkpoints in and out: transformers' own Qwen2 / LLaMA models are the reference.
+
+Small random models are built offline from config objects (no hub) and saved with
+``save_pretrained``: a Qwen2 with GQA (2 KV groups), QKV bias and tied embeddings in several
+shards; a Qwen2 with one KV group in one file; a LLaMA-3.1 with llama3 RoPE scaling and an
+untied output layer. Their vocabulary (1000) is not a multiple of 128, so Megatron pads it.
+Norms and biases are drawn at random too: a mapping that mixed them up would show.
+
+One torchrun launch of two CPU ranks (this file's ``__main__``) loads every model at every
+layout and writes the logits, and converts two of them to torch_dist at TP 2; the tests compare
+with transformers' logits, export the conversions back, decode with ``generate.py``, and
+fine-tune from a Hugging Face directory under Ray Train.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from ray_ppu.config.loader import ConfigError, load
+from ray_ppu.config.presets import PRESETS
+
+PROMPT = [5, 17, 300, 999, 42, 7, 8, 9, 123, 456, 2, 0]
+SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+             num_attention_heads=4, rms_norm_eps=1e-6)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# (model, TP, PP, layers per virtual stage): what the torchrun launch runs; DP makes up 2 ranks
+LAYOUTS = {
+    "qwen_gqa": [(1, 1, None), (2, 1, None), (1, 2, None), (1, 2, 1)],
+    "qwen_one_kv_group": [(1, 1, None), (1, 2, None)],  # one KV group cannot be split over TP
+    "llama": [(1, 1, None), (2, 1, None), (1, 2, None)],
+}
+CONVERTED = ("qwen_gqa", "llama")  # converted to torch_dist at TP 2 in the same launch
+
+
+def _hf_model(kind: str, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = LlamaConfig(**{**SMALL, "num_key_value_heads": 2, "tie_word_embeddings": False,
+                                "rope_theta": 500_000.0, "rope_scaling": LLAMA3_SCALING,
+                                "max_position_embeddings": 16384, **overrides})
+        model = LlamaForCausalLM(config)
+    else:
+        config = Qwen2Config(**{**SMALL, "num_key_value_heads": 2 if kind == "qwen_gqa" else 1,
+                                "tie_word_embeddings": True, "rope_theta": 1e6,
+                                "max_position_embeddings": 4096, **overrides})
+        model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+            elif "bias" in name:
+                param.normal_(0.0, 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory, qwen2_tokenizer_dir):
+    """{name: directory} of the three models, with transformers' logits of PROMPT saved."""
+    root = tmp_path_factory.mktemp("hf")
+    dirs = {}
+    for kind in LAYOUTS:
+        model = _hf_model(kind)
+        path = root / kind
+        # several shards with an index for two of them, one model.safetensors for the third
+        model.save_pretrained(path, max_shard_size="100KB" if kind != "qwen_one_kv_group" else "1GB")
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT])).logits[0]
+        torch.save(logits, path / "reference_logits.pt")
+        dirs[kind] = path
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # carried through the export
+        shutil.copyfile(Path(qwen2_tokenizer_dir) / name, dirs["qwen_gqa"] / name)
+    return dirs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launched(hf_dirs, tmp_path_factory):
+    """One torchrun launch (2 CPU ranks) of this file: every layout's logits, two conversions."""
+    out = tmp_path_factory.mktemp("layouts")
+    jobs = {"out": str(out), "models": {k: str(v) for k, v in hf_dirs.items()},
+            "layouts": LAYOUTS, "convert": list(CONVERTED)}
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), __file__, str(out / "jobs.json")],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json ↔ ModelConfig (no model)
+# ---------------------------------------------------------------------------------------------
+
+# The architecture fields of the published config.json files (transformers-4 spelling).
+PUBLISHED = {
+    # Qwen/Qwen2.5-0.5B config.json
+    "0.5B": {"model_type": "qwen2", "hidden_act": "silu", "hidden_size": 896,
+             "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+             "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": True,
+             "use_sliding_window": False},
+    # Qwen/Qwen2.5-7B config.json
+    "7B": {"model_type": "qwen2", "hidden_act": "silu", "hidden_size": 3584,
+           "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
+           "rope_theta": 1000000.0, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+           "use_sliding_window": False},
+    # meta-llama/Llama-3.1-8B config.json
+    "llama3.1-8B": {"model_type": "llama", "hidden_act": "silu", "hidden_size": 4096,
+                    "intermediate_size": 14336, "num_hidden_layers": 32,
+                    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                    "max_position_embeddings": 131072, "rope_theta": 500000.0,
+                    "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+                    "attention_bias": False, "mlp_bias": False, "head_dim": 128,
+                    "rope_scaling": {**LLAMA3_SCALING, "rope_type": "llama3"}},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_published_config_json_is_the_preset(preset):
+    from ray_ppu.hf.config import mismatches, model_from_hf, to_hf
+
+    derived = model_from_hf(PUBLISHED[preset])
+    assert mismatches(PRESETS[preset], derived) == []
+    # and back: the exported config.json describes the same model
+    assert mismatches(PRESETS[preset], model_from_hf(to_hf(PRESETS[preset], "bfloat16"))) == []
+
+
+def test_transformers5_spelling_is_read(hf_dirs):
+    from ray_ppu.hf.config import model_from_hf, read
+
+    raw = read(hf_dirs["llama"])
+    assert "rope_parameters" in raw and "rope_scaling" not in raw  # transformers 5 wrote it
+    model = model_from_hf(raw)
+    assert (model.rope_scaling, model.rope_scaling_factor, model.rotary_base) == (True, 8.0, 500_000)
+    assert model.untie_embeddings_and_output_weights and not model.add_qkv_bias
+
+
+def test_model_comes_from_config_json_or_must_match_it(hf_dirs, tmp_path):
+    qwen = hf_dirs["qwen_gqa"]
+    cfg = load(None, [f"checkpoint.pretrained={qwen}", "model.init_method_std=0.02"])
+    assert (cfg.model.num_layers, cfg.model.num_query_groups, cfg.model.vocab_size) == (4, 2, 1000)
+    assert cfg.model.init_method_std == 0.02  # a training field on top of config.json
+    assert cfg.data.tokenizer == str(qwen)  # the model's own tokenizer by default
+    with pytest.raises(ConfigError) as err:
+        load(None, [f"checkpoint.pretrained={qwen}", "model.preset=0.5B"])
+    text = str(err.value)
+    assert "(preset 0.5B) does not match checkpoint.pretrained" in text
+    assert "model.hidden_size=896 but hidden_size gives 64" in text
+    assert "model.num_layers=24 but num_hidden_layers gives 4" in text
+    assert "model.untie_embeddings_and_output_weights" not in text  # both tied
+    with pytest.raises(ConfigError) as err:  # a field set without a preset: only it differs
+        load(None, [f"checkpoint.pretrained={qwen}", "model.num_query_groups=4"])
+    assert str(err.value).count(" but ") == 1
+    assert "model.num_query_groups=4 but num_key_value_heads gives 2" in str(err.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"use_sliding_window": True}, "use_sliding_window=True (only False is supported)"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"model_type": "mistral"}, "model_type='mistral' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+    ({"rope_scaling": {**LLAMA3_SCALING, "high_freq_factor": 2.0}},
+     "rope_scaling.high_freq_factor=2.0 (Megatron-Core fixes it at 4)"),
+])
+def test_unsupported_config_json_is_named(change, message):
+    from ray_ppu.hf.config import model_from_hf
+
+    with pytest.raises(ConfigError) as err:
+        model_from_hf({**PUBLISHED["0.5B"], **change}, "/m/config.json")
+    assert str(err.value).startswith("/m/config.json: ") and message in str(err.value)
+
+
+def test_missing_or_misshapen_tensors_fail_before_any_worker(hf_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ray_ppu import checkpoint
+
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dirs["qwen_one_kv_group"], broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    tensors["model.norm.weight"] = torch.ones(32)
+    save_file(tensors, broken / "model.safetensors")
+    cfg = load(None, [f"checkpoint.pretrained={broken}"])
+    with pytest.raises(ConfigError) as err:
+        checkpoint.check_config(cfg)
+    text = str(err.value)
+    assert f"checkpoint.pretrained {broken} does not fit the model" in text
+    assert "model.layers.3.mlp.up_proj.weight missing" in text
+    assert "model.norm.weight in model.safetensors has shape [32], expected [64]" in text
+    cfg = load(None, [f"checkpoint.pretrained={hf_dirs['qwen_gqa']}", "checkpoint.load=/x"])
+    with pytest.raises(ConfigError, match="set one"):
+        checkpoint.check_config(cfg)
+    # one KV group cannot be split over TP 2: the plan says so before any worker starts
+    from ray_ppu.plan import build_plan
+
+    cfg = load(None, [f"checkpoint.pretrained={hf_dirs['qwen_one_kv_group']}",
+                      "parallel.tensor_model_parallel_size=2", "training.train_iters=1",
+                      "data.data_path=[x]"])
+    with pytest.raises(ConfigError, match="num_query_groups 1 is not divisible by TP 2"):
+        build_plan(cfg)
+
+
+def test_sharded_writer_follows_upstream_layout(tmp_path):
+    from ray_ppu.hf.files import INDEX_FILE, ShardedWriter, read_all
+
+    tensors = {f"t{i}": torch.full((250,), float(i)) for i in range(5)}  # 1000 bytes each
+    writer = ShardedWriter(tmp_path / "many", max_bytes=2500)
+    writer.add_all(tensors.items())
+    files = [p.name for p in writer.close()]
+    assert files == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                     "model-00003-of-00003.safetensors", INDEX_FILE]
+    index = json.loads((tmp_path / "many" / INDEX_FILE).read_text())
+    assert index["metadata"]["total_size"] == 5000
+    assert index["weight_map"]["t4"] == "model-00003-of-00003.safetensors"
+    assert {k: v.tolist() for k, v in read_all(tmp_path / "many")} == \
+        {k: v.tolist() for k, v in tensors.items()}
+    writer = ShardedWriter(tmp_path / "one")
+    writer.add_all(tensors.items())
+    assert [p.name for p in writer.close()] == ["model.safetensors"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Our model with the loaded weights against transformers
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_logits_equal_transformers_at_every_layout(hf_dirs, launched, kind):
+    reference = torch.load(hf_dirs[kind] / "reference_logits.pt")
+    for tp, pp, vs in LAYOUTS[kind]:
+        name = f"{kind}_tp{tp}_pp{pp}_vs{vs}"
+        ours = torch.load(launched / f"{name}.pt")
+        assert ours.shape == reference.shape == (len(PROMPT), 1000), name
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", CONVERTED)
+def test_round_trip_is_bit_exact(hf_dirs, launched, tmp_path, kind):
+    """HF → torch_dist (saved at TP 2 by the launch) → HF: the same tensors, bit for bit, the
+    same config.json, shards ≤ the size asked for, side files copied."""
+    from safetensors import safe_open
+
+    from ray_ppu.hf.files import INDEX_FILE, read_all
+
+    out = tmp_path / "exported"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "convert_checkpoint.py"), "mcore-to-hf",
+         "--checkpoint", str(launched / f"mcore_{kind}"), "--out", str(out),
+         "--max-shard-size", "100KB"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    original, exported = dict(read_all(hf_dirs[kind])), dict(read_all(out))
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and exported[name].shape == tensor.shape, name
+        assert torch.equal(exported[name].view(torch.int32), tensor.view(torch.int32)), name
+    assert json.loads((out / "config.json").read_text()) == \
+        json.loads((hf_dirs[kind] / "config.json").read_text())
+    weight_map = json.loads((out / INDEX_FILE).read_text())["weight_map"]
+    for shard in set(weight_map.values()):
+        with safe_open(str(out / shard), "pt") as f:
+            assert sum(f.get_tensor(k).numel() * 4 for k in f.keys()) <= 100_000 or \
+                len(list(f.keys())) == 1
+    assert (out / "generation_config.json").is_file()
+    if kind == "qwen_gqa":
+        assert (out / "tokenizer.json").read_bytes() == \
+            (hf_dirs[kind] / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_converted_checkpoint_starts_a_finetune_of_the_same_model(launched):
+    """checkpoint.load of an hf-to-mcore result: weights only, iteration 0, whatever
+    checkpoint.finetune says; another architecture is refused before any worker starts."""
+    from ray_ppu import checkpoint
+
+    converted = launched / "mcore_qwen_gqa"
+    cfg = load(None, [f"checkpoint.load={converted}", "model.preset=tiny"])
+    start = checkpoint.resume_point(cfg)
+    assert start.weights_only and start.iteration == 0 and start.meta.tensor_model_parallel_size == 2
+    with pytest.raises(ConfigError) as err:
+        checkpoint.check_config(cfg)
+    assert "model.num_layers: checkpoint 4, this run 2" in str(err.value)
+    assert "model.vocab_size: checkpoint 1000, this run 151936" in str(err.value)
+
+
+@pytest.mark.slow
+def test_generate_from_torch_dist_matches_transformers(hf_dirs, launched, tmp_path):
+    """generate.py on the converted checkpoint: transformers' greedy tokens and logits."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPT[:5]
+    model = AutoModelForCausalLM.from_pretrained(hf_dirs["llama"]).eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                  min_new_tokens=6)[0, len(prompt):].tolist()
+        expected_logits = model(torch.tensor([prompt])).logits[0]
+    dump = tmp_path / "logits.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "generate.py"), "--checkpoint",
+         str(launched / "mcore_llama"), "--token-ids", ",".join(map(str, prompt)),
+         "--max-new-tokens", "6", "--dump-logits", str(dump)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["format"] == "mcore" and result["new_ids"] == expected
+    logits = json.loads(dump.read_text())
+    assert logits["token_ids"] == prompt
+    torch.testing.assert_close(torch.tensor(logits["logits"]), expected_logits, rtol=0, atol=1e-5)
+
+
+def _transformer_engine_device() -> bool:
+    from ray_ppu.model import transformer_engine_available
+
+    return torch.cuda.is_available() and transformer_engine_available("ppu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _transformer_engine_device(),
+                    reason="needs a CUDA/PPU device with Transformer Engine")
+@pytest.mark.parametrize("kind", ["qwen_gqa", "llama"])
+def test_transformer_engine_layers_load_the_same_weights(hf_dirs, tmp_path, kind):
+    """On a device the model is built with Transformer Engine's fused layers (norms inside
+    LayerNormLinear): the same mapping fills them; fp32 logits match transformers'."""
+    dump = tmp_path / "logits.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "generate.py"), "--checkpoint",
+         str(hf_dirs[kind]), "--token-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "1",
+         "--device", "ppu", "--precision", "fp32", "--dump-logits", str(dump)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = torch.load(hf_dirs[kind] / "reference_logits.pt")
+    ours = torch.tensor(json.loads(dump.read_text())["logits"])
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-3)  # TE kernels, TF32 off
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning from a Hugging Face directory under Ray Train
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_dir, tmp_path):
+    """TP 2 (the Qwen2 vocabulary 151936 is padded to 152064: the padding is masked) from a
+    Hugging Face Qwen2: iteration 1's loss is transformers' loss on the same global batch;
+    the trained checkpoint exports to a model transformers loads, with a lower loss on it."""
+    from test_checkpoint import _launch
+    from test_training import overrides
+    from transformers import AutoModelForCausalLM
+
+    from ray_ppu import checkpoint
+    from ray_ppu.data import idxmap, local
+    from ray_ppu.hf.export import export
+    from ray_ppu.plan import build_plan
+    from ray_ppu.run import absolute_paths, prepare_output
+
+    hf = tmp_path / "Qwen2-tiny"
+    _hf_model("qwen_gqa", vocab_size=151_936, num_hidden_layers=2,
+              max_position_embeddings=32768).save_pretrained(hf)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(qwen2_tokenizer_dir) / name, hf / name)
+    cfg = absolute_paths(load(None, [
+        *overrides(corpus, tmp_path / "run", "training.train_iters=2", "training.eval_iters=0",
+                   "cluster.num_workers=2", "parallel.tensor_model_parallel_size=2",
+                   "training.lr=1e-3"),
+        "model.make_vocab_size_divisible_by=128", f"checkpoint.pretrained={hf}"]))
+    assert cfg.model.vocab_size == 151_936 and cfg.model.preset is None
+    plan = build_plan(cfg)
+    assert plan.padded_vocab_size == 152_064
+    prepare_output(cfg, plan)
+    final, messages = _launch(cfg, plan)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    train = [r for r in rows if "lm_loss" in r]
+    assert [r["iteration"] for r in train] == [1, 2]
+
+    spec = idxmap.spec_for(cfg, plan)
+    idxmap.datasets(spec)
+    batch = list(local.microbatches(spec, 0, 1, plan.global_batch_size, 1, 0, 1))
+
+    def hf_loss(path) -> float:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        total = 0.0
+        with torch.no_grad():
+            for mb in batch:
+                logits = model(torch.as_tensor(mb["tokens"])).logits
+                total += torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), torch.as_tensor(mb["labels"]).flatten(),
+                    reduction="sum").item()
+        return total / sum(torch.as_tensor(mb["labels"]).numel() for mb in batch)
+
+    before = hf_loss(hf)
+    assert train[0]["lm_loss"] == pytest.approx(before, abs=2e-5)
+    saved, meta = checkpoint.latest(checkpoint.save_root(cfg))
+    assert meta.iteration == 2 and meta.hf_source == str(hf)
+    summary = export(saved, tmp_path / "exported")
+    assert summary["tokenizer"] and summary["dtype"] == "float32"
+    assert hf_loss(tmp_path / "exported") < before - 0.05  # it learned from the batch it saw
+
+
+# ---------------------------------------------------------------------------------------------
+# The torchrun side: python -m torch.distributed.run --nproc-per-node 2 tests/test_hf.py JOBS
+# ---------------------------------------------------------------------------------------------
+
+def _run_layouts(jobs: dict) -> None:
+    """Every (model, layout) in ``jobs``: load the HF weights, write the prompt's logits
+    (rank 0); then convert the listed models at TP 2 with convert_checkpoint's code."""
+    import logging
+
+    import torch.distributed as dist
+
+    from ray_ppu import devices, inference, parallel
+    from ray_ppu.hf.convert import to_mcore
+    from ray_ppu.model import build_model
+
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    out = Path(jobs["out"])
+    with parallel.process_group("cpu"):
+        for kind, layouts in jobs["layouts"].items():
+            source = inference.open_source(jobs["models"][kind])
+            for tp, pp, vs in layouts:
+                cfg, plan = inference.inference_config(source.model, dist.get_world_size(), tp,
+                                                       pp, vs, device="cpu")
+                with devices.bound("cpu", 0):
+                    parallel.initialize(plan, 0)
+                    try:
+                        chunks, _ = build_model(cfg, plan, "cpu", initialize=False)
+                        inference.load_weights(chunks, source, cfg, plan)
+                        logits = inference.prompt_logits(chunks, PROMPT, source.model.vocab_size,
+                                                         torch.device("cpu"))
+                    finally:
+                        parallel.destroy()
+                if dist.get_rank() == 0:
+                    torch.save(logits, out / f"{kind}_tp{tp}_pp{pp}_vs{vs}.pt")
+        for kind in jobs["convert"]:
+            to_mcore(jobs["models"][kind], out / f"mcore_{kind}", tp=2)
+
+
+if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
+    _run_layouts(json.loads(Path(sys.argv[1]).read_text()))
