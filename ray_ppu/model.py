@@ -124,10 +124,15 @@ def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
 def build_model(cfg: RunConfig, plan: Plan, backend: Backend,
                 initialize: bool = True) -> tuple[list[DistributedDataParallel], TransformerConfig]:
     """One GPTModel chunk per virtual pipeline stage (in a Float16Module for fp16 / bf16 /
-    fp8), each wrapped in Megatron-Core DDP. ``initialize`` False skips drawing random weights
-    (they are about to be loaded)."""
+    fp8), each wrapped in Megatron-Core DDP. ``initialize`` False: the weights are about to be
+    loaded, so they start as zeros instead of random draws."""
     config = transformer_config(cfg, plan, backend)
-    config.perform_initialization = initialize
+    if not initialize:
+        # Not perform_initialization=False: Megatron-Core 0.16 marks a weight tensor-parallel
+        # only while initialising it, and unmarked TP shards count as replicas in the grad norm.
+        for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
+            if hasattr(config, name):
+                setattr(config, name, torch.nn.init.zeros_)
     if uses_transformer_engine(cfg, transformer_engine_available(backend)):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,

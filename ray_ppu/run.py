@@ -35,7 +35,10 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
         index_cache_dir=_absolute(cfg.data.index_cache_dir) if cfg.data.index_cache_dir else None,
     )
     output = dataclasses.replace(cfg.output, dir=_absolute(cfg.output.dir))
-    return dataclasses.replace(cfg, data=data, output=output)
+    pretrained = cfg.checkpoint.pretrained
+    checkpoint = dataclasses.replace(cfg.checkpoint,
+                                     pretrained=_absolute(pretrained) if pretrained else None)
+    return dataclasses.replace(cfg, data=data, output=output, checkpoint=checkpoint)
 
 
 def prepare_output(cfg: RunConfig, plan: Plan) -> Path:

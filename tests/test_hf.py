@@ -402,9 +402,9 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
         total = 0.0
         with torch.no_grad():
             for mb in batch:
-                logits = model(torch.as_tensor(mb["tokens"])).logits
+                logits = model(torch.as_tensor(mb["tokens"]).long()).logits
                 total += torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), torch.as_tensor(mb["labels"]).flatten(),
+                    logits.flatten(0, 1), torch.as_tensor(mb["labels"]).long().flatten(),
                     reduction="sum").item()
         return total / sum(torch.as_tensor(mb["labels"]).numel() for mb in batch)
 
