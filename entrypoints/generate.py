@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         with devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))):
             parallel.initialize(plan, cfg.training.seed)
             try:
-                chunks, _ = build_model(cfg, plan, backend, initialize=False)
+                chunks, _ = build_model(cfg, plan, backend, initialize=False, ddp=False)
                 inference.load_weights(chunks, source, cfg, plan)
                 new, logits = inference.greedy(chunks, prompt, source.model.vocab_size,
                                                devices.torch_device(backend),

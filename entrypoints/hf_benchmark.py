@@ -8,10 +8,14 @@ samples its own /proc/self/status every 5 ms. Printed per size and layout, for t
 
 * load time;
 * what the rank must hold (its parameters) and the checkpoint size;
-* peak private memory (RssAnon) during the load above what the built model already took: the
-  transient the loader adds (a slice being read and cast);
-* peak resident memory (VmHWM), which also counts the mapped safetensors pages the rank touched
-  (file-backed page cache, shared and reclaimable).
+* resident memory (VmRSS) once the model is built, and its peak during the load;
+* the load's increase of private memory (RssAnon: the slice being read and cast) and of
+  file-backed memory (RssFile: the mapped safetensors pages the rank touched, shared page
+  cache the kernel can reclaim).
+
+The model is built on the CPU, where Megatron-Core draws each weight whole before keeping this
+rank's part (use_cpu_initialization): that spike is the model build's, before the load, and
+does not happen on a device.
 
 The page cache is warm (the files were just written or read): load times are the loader's,
 not the disk's.
@@ -39,21 +43,21 @@ SHAPE = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
 GB = 10**9
 
 
-def _layers_for(size_gb: float) -> int:
+def _layers_for(size_gb: float, multiple: int) -> int:
+    """Layers for about ``size_gb`` GB, a multiple of ``multiple`` (the PP size)."""
     h, f, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
     kv = h // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
     per_layer = 2 * (2 * h * h + 2 * kv * h + 3 * h * f + 2 * h + h + 2 * kv)  # bf16 bytes
-    return max(1, round((size_gb * GB - 2 * v * h) / per_layer))
+    return max(1, round((size_gb * GB - 2 * v * h) / per_layer / multiple)) * multiple
 
 
-def synthetic_checkpoint(directory: Path, size_gb: float) -> int:
-    """A random bf16 Qwen2 directory of about ``size_gb`` GB (reused if there); its bytes."""
+def synthetic_checkpoint(directory: Path, layers: int) -> int:
+    """A random bf16 Qwen2 directory with ``layers`` layers (reused if there); its bytes."""
     from ray_ppu.config.schema import ModelConfig
     from ray_ppu.hf.config import to_hf
     from ray_ppu.hf.files import ShardedWriter
     from ray_ppu.hf.weights import hf_shapes
 
-    layers = _layers_for(size_gb)
     model = ModelConfig(num_layers=layers, hidden_size=SHAPE["hidden_size"],
                         ffn_hidden_size=SHAPE["intermediate_size"],
                         num_attention_heads=SHAPE["num_attention_heads"],
@@ -84,7 +88,7 @@ class _Peaks:
         with open("/proc/self/status") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                if key in ("VmRSS", "RssAnon", "RssFile"):
                     fields[key] = int(value.split()[0]) * 1024
         return fields
 
@@ -122,7 +126,7 @@ def child(directory: str, tp: int, pp: int, out: str) -> None:
         with devices.bound("cpu", 0):
             parallel.initialize(plan, 0)
             try:
-                chunks, _ = build_model(cfg, plan, "cpu", initialize=False)
+                chunks, _ = build_model(cfg, plan, "cpu", initialize=False, ddp=False)
                 held = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
                 before = _Peaks.now()
                 dist.barrier()
@@ -130,10 +134,10 @@ def child(directory: str, tp: int, pp: int, out: str) -> None:
                     took = load_pretrained(chunks, directory, cfg.model, plan.padded_vocab_size)
             finally:
                 parallel.destroy()
+        after = _Peaks.now()
         row = {"rank": dist.get_rank(), "seconds": took["seconds"], "read": took["bytes_read"],
-               "held": held, "anon_before": before["RssAnon"],
-               "anon_peak": peaks.peak.get("RssAnon", before["RssAnon"]),
-               "hwm": peaks.peak.get("VmHWM", before["VmHWM"])}
+               "held": held, "before": before,
+               "peak": {k: max(peaks.peak.get(k, 0), after[k]) for k in after}}
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
         if dist.get_rank() == 0:
@@ -149,11 +153,13 @@ def _free_port() -> int:
 def hf_load(sizes_gb: list[float], ranks: int, work: Path) -> list[dict]:
     """Write the checkpoints, launch one torchrun per size and layout, print the table."""
     results = []
-    print(f"{'size GB':>8} {'layout':>7} {'load s':>7} {'GB/s':>6} {'held GB':>8} "
-          f"{'transient GB':>13} {'peak RSS GB':>12} {'RSS/ckpt':>9}", flush=True)
+    print(f"{'ckpt GB':>8} {'layout':>7} {'load s':>7} {'GB/s':>6} {'held GB':>8} "
+          f"{'RSS built':>10} {'RSS peak':>9} {'+anon':>7} {'+file':>7} {'peak/ckpt':>10}",
+          flush=True)
     for size in sizes_gb:
-        directory = work / f"qwen2_{size:g}GB"
-        total = synthetic_checkpoint(directory, size)
+        layers = _layers_for(size, ranks)
+        directory = work / f"qwen2_{layers}_layers"
+        total = synthetic_checkpoint(directory, layers)
         for layout, (tp, pp) in (("TP", (ranks, 1)), ("PP", (1, ranks))):
             out = work / f"rows_{size:g}_{layout}.json"
             proc = subprocess.run(
@@ -165,17 +171,22 @@ def hf_load(sizes_gb: list[float], ranks: int, work: Path) -> list[dict]:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 raise SystemExit(f"the {layout} launch for {size} GB failed")
             rows = json.loads(out.read_text())
-            worst = max(rows, key=lambda r: r["hwm"])
+            worst = max(rows, key=lambda r: r["peak"]["VmRSS"])  # the rank that needs most
             slowest = max(r["seconds"] for r in rows)
+
+            def grew(key: str) -> float:
+                return max(r["peak"][key] - r["before"][key] for r in rows) / GB
+
             result = {"size_gb": total / GB, "layout": f"{layout}{ranks}", "seconds": slowest,
-                      "held_gb": worst["held"] / GB,
-                      "transient_gb": max(r["anon_peak"] - r["anon_before"] for r in rows) / GB,
-                      "peak_rss_gb": worst["hwm"] / GB, "rows": rows}
+                      "held_gb": worst["held"] / GB, "rss_built_gb": worst["before"]["VmRSS"] / GB,
+                      "rss_peak_gb": worst["peak"]["VmRSS"] / GB, "anon_gb": grew("RssAnon"),
+                      "file_gb": grew("RssFile"), "rows": rows}
             results.append(result)
             print(f"{total / GB:8.2f} {result['layout']:>7} {slowest:7.2f} "
                   f"{total / GB / slowest:6.2f} {result['held_gb']:8.2f} "
-                  f"{result['transient_gb']:13.3f} {result['peak_rss_gb']:12.2f} "
-                  f"{result['peak_rss_gb'] / (total / GB):9.2f}", flush=True)
+                  f"{result['rss_built_gb']:10.2f} {result['rss_peak_gb']:9.2f} "
+                  f"{result['anon_gb']:7.2f} {result['file_gb']:7.2f} "
+                  f"{result['rss_peak_gb'] / (total / GB):10.2f}", flush=True)
     return results
 
 

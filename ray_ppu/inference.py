@@ -132,10 +132,10 @@ def prompt_logits(chunks: list, tokens: list[int], vocab_size: int,
         return output, gather
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    microbatches = pp if len(chunks) > 1 else 1
+    interleaved = len(chunks) > 1
     collected = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=[None] * len(chunks) if len(chunks) > 1 else None,
-        model=chunks, num_microbatches=microbatches, seq_length=n, micro_batch_size=1,
+        forward_step_func=forward_step, data_iterator=[None] * len(chunks) if interleaved else None,
+        model=chunks, num_microbatches=pp if interleaved else 1, seq_length=n, micro_batch_size=1,
         forward_only=True, collect_non_loss_data=True)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         logits = collected[0][0, :, :vocab_size].float().contiguous()

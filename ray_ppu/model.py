@@ -103,8 +103,8 @@ def packed_format(cfg: RunConfig, plan: Plan, backend: Backend) -> Optional[str]
 
 
 def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
-    """Keep the rows Megatron pads the vocabulary with (to a multiple of 128 × TP) out of the
-    softmax: their logits are set to -inf in place, on the TP ranks that hold them, so the loss
+    """Keep the rows Megatron pads the vocabulary with (to a multiple of
+    ``make_vocab_size_divisible_by`` × TP) out of the softmax: their logits are set to -inf in place, on the TP ranks that hold them, so the loss
     and the predictions are those of the real vocabulary (a Hugging Face model's, exactly), and
     the padding rows get no gradient. In place: a linear layer does not keep its output for
     the backward pass, so no copy of the logits is made."""
@@ -121,11 +121,12 @@ def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
     output_layer.register_forward_hook(hook)
 
 
-def build_model(cfg: RunConfig, plan: Plan, backend: Backend,
-                initialize: bool = True) -> tuple[list[DistributedDataParallel], TransformerConfig]:
+def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool = True,
+                ddp: bool = True) -> tuple[list[torch.nn.Module], TransformerConfig]:
     """One GPTModel chunk per virtual pipeline stage (in a Float16Module for fp16 / bf16 /
     fp8), each wrapped in Megatron-Core DDP. ``initialize`` False: the weights are about to be
-    loaded, so they start as zeros instead of random draws."""
+    loaded, so they start as zeros instead of random draws. ``ddp`` False (no training:
+    conversion, generation): no DDP wrapper, hence no fp32 gradient buffers."""
     config = transformer_config(cfg, plan, backend)
     if not initialize:
         # Not perform_initialization=False: Megatron-Core 0.16 marks a weight tensor-parallel
@@ -171,6 +172,8 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend,
             model = Float16Module(config, model)
         chunks.append(model)
 
+    if not ddp:
+        return chunks, config
     ddp_config = DistributedDataParallelConfig(**ddp_settings(cfg))
     wrapped = [
         DistributedDataParallel(

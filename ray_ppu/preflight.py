@@ -69,9 +69,10 @@ def plan_checks(cfg: RunConfig) -> dict:
     if cfg.checkpoint.pretrained:  # config.json and every safetensors file the ranks read
         from ray_ppu.hf.files import Checkpoint
 
-        weights = sorted({str(p) for p in Checkpoint(_abs(cfg.checkpoint.pretrained)).files.values()})
+        pretrained = _abs(cfg.checkpoint.pretrained)
+        weights = sorted({str(p) for p in Checkpoint(pretrained).files.values()})
         files += [("checkpoint.pretrained", p)
-                  for p in [_abs(str(Path(cfg.checkpoint.pretrained) / "config.json")), *weights]]
+                  for p in [str(Path(pretrained) / "config.json"), *weights]]
     return {
         "writable": [("output.dir", _abs(cfg.output.dir)),
                      ("data.index_cache_dir", _abs(_index_cache(cfg)))],

@@ -355,15 +355,52 @@ def test_transformer_engine_layers_load_the_same_weights(hf_dirs, tmp_path, kind
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-3)  # TE kernels, TF32 off
 
 
+@pytest.mark.slow
+def test_model_trained_from_scratch_exports_to_transformers(uninterrupted, qwen2_tokenizer_dir,
+                                                           tmp_path):
+    """The checkpoint tests' reference run (the tiny preset trained under Ray Train at DP 2, no
+    Hugging Face origin): exported with the Qwen2 tokenizer, transformers loads it as a Qwen2
+    model whose logits are ours (generate.py on the checkpoint itself)."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_ppu import checkpoint
+    from ray_ppu.hf.export import export
+
+    saved, meta = checkpoint.latest(checkpoint.save_root(uninterrupted["cfg"]))
+    assert meta.hf_config is None and meta.model["preset"] == "tiny"
+    summary = export(saved, tmp_path / "hf", tokenizer=qwen2_tokenizer_dir)
+    assert summary["tokenizer"] and summary["files"] == ["model.safetensors"]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["model_type"], config["tie_word_embeddings"], config["vocab_size"]) == \
+        ("qwen2", True, 151_936)
+    dump = tmp_path / "logits.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "generate.py"), "--checkpoint", str(saved),
+         "--tokenizer", str(qwen2_tokenizer_dir), "--prompt", "def main(", "--max-new-tokens",
+         "3", "--dump-logits", str(dump)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["new_ids"]) == 3 and isinstance(result["text"], str)
+    ours = json.loads(dump.read_text())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        theirs = model(torch.tensor([ours["token_ids"]])).logits[0]
+    torch.testing.assert_close(torch.tensor(ours["logits"]), theirs, rtol=0, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fine-tuning from a Hugging Face directory under Ray Train
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_dir, tmp_path):
-    """TP 2 (the Qwen2 vocabulary 151936 is padded to 152064: the padding is masked) from a
-    Hugging Face Qwen2: iteration 1's loss is transformers' loss on the same global batch;
-    the trained checkpoint exports to a model transformers loads, with a lower loss on it."""
+    """PP 2 under Ray Train from a Hugging Face Qwen2 with tied embeddings (the last stage's
+    output layer reads embed_tokens) and the vocabulary 151936 padded to 152064 (the padding
+    masked): iteration 1's loss is transformers' loss on the same global batch; training and
+    validation losses fall (the Ray path's pipeline test: the first and last stages read the
+    data); the trained checkpoint exports to a model transformers loads, with a lower loss on
+    the batch it trained on."""
     from test_checkpoint import _launch
     from test_training import overrides
     from transformers import AutoModelForCausalLM
@@ -380,10 +417,10 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(Path(qwen2_tokenizer_dir) / name, hf / name)
     cfg = absolute_paths(load(None, [
-        *overrides(corpus, tmp_path / "run", "training.train_iters=2", "training.eval_iters=0",
-                   "cluster.num_workers=2", "parallel.tensor_model_parallel_size=2",
+        *overrides(corpus, tmp_path / "run", "training.train_iters=4", "training.eval_interval=2",
+                   "cluster.num_workers=2", "parallel.pipeline_model_parallel_size=2",
                    "training.lr=1e-3"),
-        "model.make_vocab_size_divisible_by=128", f"checkpoint.pretrained={hf}"]))
+        "model.make_vocab_size_divisible_by=256", f"checkpoint.pretrained={hf}"]))
     assert cfg.model.vocab_size == 151_936 and cfg.model.preset is None
     plan = build_plan(cfg)
     assert plan.padded_vocab_size == 152_064
@@ -391,7 +428,9 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
     final, messages = _launch(cfg, plan)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     train = [r for r in rows if "lm_loss" in r]
-    assert [r["iteration"] for r in train] == [1, 2]
+    valid = [r["valid_lm_loss"] for r in rows if "valid_lm_loss" in r]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4] and len(valid) == 2
+    assert train[-1]["lm_loss"] < train[0]["lm_loss"] - 0.1 and valid[1] < valid[0]
 
     spec = idxmap.spec_for(cfg, plan)
     idxmap.datasets(spec)
@@ -411,7 +450,7 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
     before = hf_loss(hf)
     assert train[0]["lm_loss"] == pytest.approx(before, abs=2e-5)
     saved, meta = checkpoint.latest(checkpoint.save_root(cfg))
-    assert meta.iteration == 2 and meta.hf_source == str(hf)
+    assert meta.iteration == 4 and meta.hf_source == str(hf)
     summary = export(saved, tmp_path / "exported")
     assert summary["tokenizer"] and summary["dtype"] == "float32"
     assert hf_loss(tmp_path / "exported") < before - 0.05  # it learned from the batch it saw
@@ -443,7 +482,7 @@ def _run_layouts(jobs: dict) -> None:
                 with devices.bound("cpu", 0):
                     parallel.initialize(plan, 0)
                     try:
-                        chunks, _ = build_model(cfg, plan, "cpu", initialize=False)
+                        chunks, _ = build_model(cfg, plan, "cpu", initialize=False, ddp=False)
                         inference.load_weights(chunks, source, cfg, plan)
                         logits = inference.prompt_logits(chunks, PROMPT, source.model.vocab_size,
                                                          torch.device("cpu"))

@@ -91,10 +91,9 @@ def test_tp2_trains_like_tp1(baseline, corpus, tmp_path):
     assert tp2 == pytest.approx(baseline, abs=2e-4)
 
 
-def test_pp2_loss_falls(ray_cluster, corpus, tmp_path):
-    pp2 = train_on_ray(corpus, tmp_path, "cluster.num_workers=2",
-                       "parallel.pipeline_model_parallel_size=2")
-    assert_falls(pp2)
+# PP 2 under Ray Train: tests/test_hf.py::test_finetune_from_hf_under_ray_train (its first
+# loss is transformers' on the same batch, then training and validation losses fall); PP 2's
+# losses equal the plain run's: tests/test_options.py.
 
 
 def test_torchrun_gives_the_same_losses_as_ray(baseline, corpus, tmp_path):

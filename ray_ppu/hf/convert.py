@@ -51,7 +51,7 @@ def to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
     with devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))):
         parallel.initialize(plan, cfg.training.seed)
         try:
-            chunks, _ = build_model(cfg, plan, backend, initialize=False)
+            chunks, _ = build_model(cfg, plan, backend, initialize=False, ddp=False)
             read = load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
             saver = checkpoint.Saver(out, plan, cfg, origin={"hf_config": raw,
                                                              "hf_source": str(source.path)})

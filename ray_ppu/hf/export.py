@@ -2,9 +2,9 @@
 
 One process, no model, no device, no process group: the checkpoint's metadata gives every
 tensor's global shape; torch.distributed.checkpoint reads one layer's slab of each stored
-tensor at a time (whatever layout wrote it), :func:`ray_ppu.hf.weights.to_hf` cuts it into Hugging Face tensors
-and :class:`ray_ppu.hf.files.ShardedWriter` streams them into ≤ 5 GB safetensors shards. Peak
-memory is one shard plus one layer, not the model.
+tensor at a time (whatever layout wrote it), :func:`ray_ppu.hf.weights.to_hf` cuts it into
+Hugging Face tensors and :class:`ray_ppu.hf.files.ShardedWriter` streams them into ≤ 5 GB
+safetensors shards. Peak memory is one shard plus one layer, not the model.
 """
 
 from __future__ import annotations

@@ -2,19 +2,22 @@
 shape checks, slice reads, and writing upstream-style shards.
 
 A directory holds ``model.safetensors``, or shards listed by ``model.safetensors.index.json``
-(``weight_map``: tensor name → file). Reads go through ``safetensors.safe_open``'s slices: a
-rank reads the rows / columns it owns from the memory-mapped file, never a whole tensor it
-does not need.
+(``weight_map``: tensor name → file). A file is an 8-byte header length, a JSON header (each
+tensor's dtype, shape and byte range) and the row-major tensor data. A rank reads the rows it
+owns with plain positioned reads straight into the destination (its parameter, when dtype and
+device allow), and a column slice in blocks of at most :data:`BLOCK_BYTES` of whole rows: no
+memory map (whose touched pages would count as the rank's memory) and no copy of a whole
+tensor it does not need.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from contextlib import ExitStack
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import BinaryIO, Iterable, Iterator, Optional
 
 import torch
 
@@ -23,12 +26,13 @@ from ray_ppu.config.loader import ConfigError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9  # upstream's default max_shard_size="5GB"
+BLOCK_BYTES = 64 * 2**20  # the most a read holds besides its destination
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-def header(path: Path) -> dict:
-    """A safetensors file's header: {name: {"dtype", "shape", "data_offsets"}} (8 + n bytes
-    read, no tensor data)."""
+def header(path: Path) -> tuple[int, dict]:
+    """A safetensors file's data start and header {name: {"dtype", "shape", "data_offsets"}}
+    (8 + n bytes read, no tensor data)."""
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
@@ -36,7 +40,19 @@ def header(path: Path) -> dict:
     except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: not a readable safetensors file ({err})") from None
     meta.pop("__metadata__", None)
-    return meta
+    return 8 + size, meta
+
+
+def _read_exactly(f: BinaryIO, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor ``out`` with the bytes at ``offset``."""
+    view = memoryview(out.detach().view(torch.uint8).numpy()).cast("B")
+    f.seek(offset)
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise ConfigError(f"{f.name}: ends {len(view) - got} bytes early (truncated?)")
+        got += n
 
 
 class Checkpoint:
@@ -54,27 +70,34 @@ class Checkpoint:
             self.files = {name: self.dir / file for name, file in weight_map.items()}
         elif (self.dir / SINGLE_FILE).is_file():
             self.files = {name: self.dir / SINGLE_FILE
-                          for name in header(self.dir / SINGLE_FILE)}
+                          for name in header(self.dir / SINGLE_FILE)[1]}
         else:
             raise ConfigError(f"{self.dir}: neither {SINGLE_FILE} nor {INDEX_FILE} (only "
                               f"safetensors checkpoints are read: no pickles)")
-        self._open: dict[Path, object] = {}
-        self._stack = ExitStack()
+        self._headers: dict[Path, tuple[int, dict]] = {}
+        self._open: dict[Path, BinaryIO] = {}
+        self.bytes_read = 0
 
     def __enter__(self) -> "Checkpoint":
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
+        for f in self._open.values():
+            f.close()
         self._open.clear()
+
+    def _header(self, path: Path) -> tuple[int, dict]:
+        if path not in self._headers:
+            if not path.is_file():
+                raise ConfigError(f"{path} is missing (listed in {self.dir / INDEX_FILE})")
+            self._headers[path] = header(path)
+        return self._headers[path]
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """{tensor name: (shape, safetensors dtype)} from the headers only."""
         out = {}
         for path in sorted(set(self.files.values())):
-            if not path.is_file():
-                raise ConfigError(f"{path} is missing (listed in {self.dir / INDEX_FILE})")
-            for name, info in header(path).items():
+            for name, info in self._header(path)[1].items():
                 out[name] = (tuple(info["shape"]), info["dtype"])
         return out
 
@@ -96,21 +119,46 @@ class Checkpoint:
             raise ConfigError(f"checkpoint.pretrained {self.dir} does not fit the model: "
                               + "; ".join(problems[:8]) + more)
 
-    def read(self, name: str, rows: Optional[slice] = None,
-             cols: Optional[slice] = None) -> torch.Tensor:
-        """Tensor ``name``, or only ``[rows]`` / ``[rows, cols]`` of it, read from its file."""
-        from safetensors import safe_open
-
+    def read_into(self, name: str, out: torch.Tensor, rows: Optional[slice] = None,
+                  cols: Optional[slice] = None) -> None:
+        """Copy ``[rows]`` / ``[rows, cols]`` of tensor ``name`` into ``out`` (any dtype or
+        device; its shape is the slice's). Whole rows go straight into ``out`` when it is a
+        contiguous CPU tensor of the stored dtype; otherwise through blocks of whole rows of
+        at most :data:`BLOCK_BYTES`, each cut and copied in."""
         path = self.files[name]
-        handle = self._open.get(path)
-        if handle is None:
-            handle = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            self._open[path] = handle
-        part = handle.get_slice(name)
-        if rows is None and cols is None:
-            return part[:]
-        rows = rows or slice(None)
-        return part[rows] if cols is None else part[rows, cols]
+        start, table = self._header(path)
+        info = table[name]
+        dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
+        first, stop, _ = (rows or slice(None)).indices(shape[0])
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        offset = start + info["data_offsets"][0] + first * row_bytes
+        f = self._open.get(path)
+        if f is None:
+            f = self._open[path] = open(path, "rb", buffering=0)
+        whole_rows = cols is None or cols.indices(shape[1])[:2] == (0, shape[1])
+        if (whole_rows and out.dtype == dtype and out.device.type == "cpu"
+                and out.is_contiguous()):
+            _read_exactly(f, offset, out)
+        else:
+            block = max(1, BLOCK_BYTES // max(row_bytes, 1))
+            for at in range(first, stop, block):
+                n = min(block, stop - at)
+                buffer = torch.empty((n, *shape[1:]), dtype=dtype)
+                _read_exactly(f, offset + (at - first) * row_bytes, buffer)
+                out[at - first:at - first + n].copy_(buffer if whole_rows else buffer[:, cols])
+        self.bytes_read += (stop - first) * row_bytes
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` whole."""
+        shape, kind = self.shapes_of(name)
+        out = torch.empty(shape, dtype=_DTYPES[kind])
+        self.read_into(name, out)
+        return out
+
+    def shapes_of(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype) of one tensor."""
+        info = self._header(self.files[name])[1][name]
+        return tuple(info["shape"]), info["dtype"]
 
 
 class ShardedWriter:
@@ -163,7 +211,8 @@ class ShardedWriter:
             os.replace(tmp, final)
             files.append(final)
             weight_map.update({name: final.name for name in names})
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": self.total},
+                 "weight_map": dict(sorted(weight_map.items()))}
         (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         return [*files, self.dir / INDEX_FILE]
 

@@ -2,7 +2,8 @@
 
 Every Megatron tensor is described by its rows (dim 0) as a list of :class:`Piece`: row ranges
 of Hugging Face tensors, in order; the other dims are the same on both sides. Loading reads
-the pieces a rank's region overlaps; exporting cuts a whole tensor back into its pieces. The
+the pieces a rank's region overlaps into the parameter; exporting cuts a whole tensor back
+into its pieces. The
 layouts (h = hidden, d = head dim, G = query groups, Q = query heads per group, f = ffn, V =
 vocabulary, V' = V padded for TP):
 
@@ -81,7 +82,8 @@ def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int]
         tied = key == EMBEDDING or not model.untie_embeddings_and_output_weights
         name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         v = model.vocab_size
-        return [Piece(name, 0, v)] + ([Piece(None, 0, padded_vocab - v)] if padded_vocab > v else [])
+        padding = [Piece(None, 0, padded_vocab - v)] if padded_vocab > v else []
+        return [Piece(name, 0, v), *padding]
     single = {QKV_NORM: (f"{hf}input_layernorm.weight", h),
               PROJ: (f"{hf}self_attn.o_proj.weight", h),
               FC1_NORM: (f"{hf}post_attention_layernorm.weight", h),
@@ -119,26 +121,25 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def read_region(ckpt: Checkpoint, model: ModelConfig, padded_vocab: int, key: str,
-                layer: Optional[int], offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    """Rows ``offset[0] : offset[0] + shape[0]`` (and likewise columns) of Megatron tensor
-    ``key``, read from only the HF slices they overlap."""
-    first, last = offset[0], offset[0] + shape[0]
-    cols = slice(offset[1], offset[1] + shape[1]) if len(shape) > 1 else None
-    parts, at = [], 0
+def fill_region(ckpt: Checkpoint, model: ModelConfig, padded_vocab: int, key: str,
+                layer: Optional[int], offset: tuple[int, ...], out: torch.Tensor) -> None:
+    """Fill ``out`` with rows ``offset[0] : offset[0] + len(out)`` (and likewise columns) of
+    Megatron tensor ``key``, read from only the HF slices they overlap; padding rows are 0."""
+    first, last = offset[0], offset[0] + out.shape[0]
+    cols = slice(offset[1], offset[1] + out.shape[1]) if out.dim() > 1 else None
+    at = 0
     for piece in pieces(model, padded_vocab, key, layer):
         lo, hi = max(first, at), min(last, at + piece.rows)
         if lo < hi:
-            rows = slice(piece.start + lo - at, piece.start + hi - at)
+            part = out[lo - first:hi - first]
             if piece.name is None:
-                parts.append(torch.zeros((hi - lo, *shape[1:])))
+                part.zero_()
             else:
-                parts.append(ckpt.read(piece.name, rows, cols))
+                rows = slice(piece.start + lo - at, piece.start + hi - at)
+                ckpt.read_into(piece.name, part, rows, cols)
         at += piece.rows
     if at < last:
         raise ValueError(f"{key}: rows up to {last} asked, the tensor has {at}")
-    dtype = next((p.dtype for p in parts if p.dtype != torch.float32), torch.float32)
-    return torch.cat([p.to(dtype) for p in parts]) if len(parts) > 1 else parts[0]
 
 
 def to_hf(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int],
@@ -185,32 +186,30 @@ def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: 
 
     1. For every chunk, its sharded state dict says which region of which Megatron tensor each
        parameter (half, for fc1) holds; the layer is the global one (PP / VP offsets included).
-    2. Each region is read from the HF slices it overlaps and copied in (cast to the param's dtype).
+    2. Each region is read from the HF slices it overlaps, into the parameter itself (through
+       bounded blocks where it must be cast, moved to the device or cut into columns).
     3. Every parameter element must have been written: else an error names the gap.
 
     Returns {"bytes_read", "seconds"} for this rank.
     """
     start = time.perf_counter()
-    read = 0
     for chunk in chunks:
         module = _unwrap(chunk)
         filled = 0
         for sh in _sharded_tensors(module):
             prepend = sh.prepend_axis_num
             layer = sh.global_offset[0] if prepend else None
-            region = read_region(ckpt, model, padded_vocab, sh.key, layer,
-                                 tuple(sh.global_offset[prepend:]), tuple(sh.local_shape))
-            if tuple(region.shape) != tuple(sh.data.shape):
-                raise ValueError(f"{sh.key} (layer {layer}): read {list(region.shape)}, the "
-                                 f"parameter holds {list(sh.data.shape)}")
-            sh.data.copy_(region)
+            if tuple(sh.data.shape) != tuple(sh.local_shape):
+                raise ValueError(f"{sh.key} (layer {layer}): the parameter holds "
+                                 f"{list(sh.data.shape)}, its shard says {list(sh.local_shape)}")
+            fill_region(ckpt, model, padded_vocab, sh.key, layer,
+                        tuple(sh.global_offset[prepend:]), sh.data)
             filled += sh.data.numel()
-            read += region.numel() * region.element_size()
         total = sum(p.numel() for p in module.parameters())
         if filled != total:
             raise RuntimeError(f"loaded {filled} of the {total} parameter elements of a model "
                                f"chunk: its sharded state dict does not cover every parameter")
-    return {"bytes_read": read, "seconds": time.perf_counter() - start}
+    return {"bytes_read": ckpt.bytes_read, "seconds": time.perf_counter() - start}
 
 
 def check_checkpoint(directory: str, model: ModelConfig) -> None:
