@@ -419,7 +419,7 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
     cfg = absolute_paths(load(None, [
         *overrides(corpus, tmp_path / "run", "training.train_iters=4", "training.eval_interval=2",
                    "cluster.num_workers=2", "parallel.pipeline_model_parallel_size=2",
-                   "training.lr=1e-3"),
+                   "training.lr=1e-2"),
         "model.make_vocab_size_divisible_by=256", f"checkpoint.pretrained={hf}"]))
     assert cfg.model.vocab_size == 151_936 and cfg.model.preset is None
     plan = build_plan(cfg)
