@@ -78,14 +78,19 @@ def main(argv=None) -> int:
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     try:
         if args.command == "hf-to-mcore":
+            from ray_ppu.devices import resolve
             from ray_ppu.hf.convert import to_mcore
             from ray_ppu.parallel import process_group
 
-            with process_group("ppu" if args.device == "ppu" else "cpu"):
+            try:
+                backend = resolve(args.device)
+            except RuntimeError as err:  # ppu asked for where torch.cuda sees no device
+                raise ConfigError(str(err)) from None
+            with process_group(backend):
                 import torch.distributed as dist
 
                 summary = to_mcore(args.hf, args.out, args.tp, args.pp, args.precision,
-                                   args.device)
+                                   backend)
                 if dist.get_rank() != 0:
                     return 0
         else:

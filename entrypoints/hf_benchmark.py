@@ -9,9 +9,9 @@ samples its own /proc/self/status every 5 ms. Printed per size and layout, for t
 * load time;
 * what the rank must hold (its parameters) and the checkpoint size;
 * resident memory (VmRSS) once the model is built, and its peak during the load;
-* the load's increase of private memory (RssAnon: the slice being read and cast) and of
-  file-backed memory (RssFile: the mapped safetensors pages the rank touched, shared page
-  cache the kernel can reclaim).
+* the load's increase of private memory (RssAnon: the blocks a column slice or a cast goes
+  through) and of file-backed memory (RssFile: mapped file pages; 0 since reads are plain
+  positioned reads, no memory map).
 
 The model is built on the CPU, where Megatron-Core draws each weight whole before keeping this
 rank's part (use_cpu_initialization): that spike is the model build's, before the load, and

@@ -631,7 +631,8 @@ class Saver:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self.queue = AsyncCallsQueue()
-        self.pending: dict[int, tuple] = {}  # async call index → (path, iteration, tag)
+        # async call index → (path, iteration, tag, error (None), weights only)
+        self.pending: dict[int, tuple] = {}
 
     def save(self, iteration: int, model: list, optimizer, scheduler, tag=None) -> list[tuple]:
         """Start (async) or write (sync) the checkpoint after ``iteration`` iterations.
@@ -668,8 +669,9 @@ class Saver:
         except (Exception, CheckpointException) as err:
             error = _write_error(err)
         if self.queue is None or error is not None:
-            return [self._complete(path, iteration, tag, error, weights_only=optimizer is None)]
-        self.pending[self.queue.schedule_async_request(request)] = (path, iteration, tag)
+            return [self._complete(path, iteration, tag, error, optimizer is None)]
+        self.pending[self.queue.schedule_async_request(request)] = (
+            path, iteration, tag, None, optimizer is None)
         return []
 
     def poll(self, blocking: bool = False) -> list[tuple]:
@@ -681,8 +683,8 @@ class Saver:
             finished = self.queue.maybe_finalize_async_calls(blocking=blocking)
         except (Exception, CheckpointException) as err:
             # Megatron finalizes in order and raises on every rank: the oldest one failed
-            path, iteration, tag = self.pending.pop(min(self.pending))
-            return [self._complete(path, iteration, tag, _write_error(err))]
+            path, iteration, tag, _, weights_only = self.pending.pop(min(self.pending))
+            return [self._complete(path, iteration, tag, _write_error(err), weights_only)]
         return [self._complete(*self.pending.pop(i)) for i in finished]
 
     def wait(self) -> list[tuple]:

@@ -8,6 +8,7 @@ through Megatron's forward-only pipeline schedule again (no KV cache).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -56,8 +57,11 @@ def open_source(path: str | Path, model: Optional[ModelConfig] = None) -> Source
     path = Path(path).expanduser().resolve()
     if (path / hf_config.CONFIG_FILE).is_file() and any(
             (path / f).is_file() for f in (SINGLE_FILE, INDEX_FILE)):
-        return Source(path, "hf", hf_config.model_from_hf(hf_config.read(path),
-                                                          str(path / hf_config.CONFIG_FILE)))
+        from ray_ppu.hf.weights import check_checkpoint
+
+        model = hf_config.model_from_hf(hf_config.read(path), str(path / hf_config.CONFIG_FILE))
+        check_checkpoint(str(path), model)  # headers only: before any model is built
+        return Source(path, "hf", model)
     meta = checkpoint.read_meta(path)
     if meta is None:
         found = checkpoint.latest(path)
@@ -70,7 +74,8 @@ def open_source(path: str | Path, model: Optional[ModelConfig] = None) -> Source
         if meta.model is None:
             raise ConfigError(f"{path} does not record its model config (saved by an older "
                               f"ray_ppu): pass the run's config file")
-        model = ModelConfig(**meta.model)
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        model = ModelConfig(**{k: v for k, v in meta.model.items() if k in known})
     return Source(path, "mcore", model, meta)
 
 

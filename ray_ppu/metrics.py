@@ -95,18 +95,20 @@ class SampleLog:
     rank (``<dir>/samples/rank_NNNNN.jsonl``, a line per iteration: iteration, DP rank, ids).
 
     An audit of the data a run saw (which documents were in the batch before a loss spike);
-    after a restart the iterations trained again are logged again, and the last line of an
-    iteration is the one that counts.
+    after a restart the iterations trained again are logged again, and the group that trained
+    an iteration last is the one that counts (:func:`read_sample_log`).
     """
 
-    def __init__(self, output_dir: str | Path, world_rank: int, dp_rank: int) -> None:
+    def __init__(self, output_dir: str | Path, world_rank: int, dp_rank: int,
+                 dp_size: int) -> None:
         path = Path(output_dir) / "samples" / f"rank_{world_rank:05d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.dp_rank = dp_rank
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self._file = open(path, "a", buffering=1)
 
     def write(self, iteration: int, sample_ids: list) -> None:
         self._file.write(json.dumps({"iteration": iteration, "dp_rank": self.dp_rank,
+                                     "dp_size": self.dp_size, "time": time.time(),
                                      "ids": sample_ids}) + "\n")
 
     def close(self) -> None:
@@ -114,15 +116,23 @@ class SampleLog:
 
 
 def read_sample_log(output_dir: str | Path) -> dict[int, list]:
-    """{iteration: sorted ids of the whole global batch} from every rank's sample log; the last
-    line per (iteration, DP rank) counts (a restart re-trains, and re-logs, some iterations)."""
-    last: dict = {}
+    """{iteration: sorted ids of the whole global batch} from every rank's sample log.
+
+    A restart re-trains, and re-logs, the iterations after its checkpoint, possibly at another
+    DP size (elastic). Per iteration, the lines of the DP size that logged it last count, the
+    last line per DP rank among them: a group that shrank mid-iteration leaves lines of DP
+    ranks the next group does not have, and those are stale.
+    """
+    rows: dict = {}  # iteration -> lines
     for path in sorted((Path(output_dir) / "samples").glob("rank_*.jsonl")):
         with open(path) as f:
             for line in f:
                 row = json.loads(line)
-                last[(row["iteration"], row["dp_rank"])] = row["ids"]
+                rows.setdefault(row["iteration"], []).append(row)
     batches: dict = {}
-    for (iteration, _), ids in last.items():
-        batches.setdefault(iteration, []).extend(ids)
-    return {i: sorted(ids) for i, ids in sorted(batches.items())}
+    for iteration, lines in sorted(rows.items()):
+        lines.sort(key=lambda r: r.get("time", 0.0))  # stable: file order without times
+        size = lines[-1].get("dp_size")
+        last = {r["dp_rank"]: r["ids"] for r in lines if r.get("dp_size") == size}
+        batches[iteration] = sorted(i for ids in last.values() for i in ids)
+    return batches

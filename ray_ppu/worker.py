@@ -70,7 +70,7 @@ def run(
     samples = None
     if cfg.output.sample_log and batches is not None:
         samples = SampleLog(cfg.output.dir, dist.get_rank(),
-                            plan.dims.coordinates(dist.get_rank())["dp"])
+                            plan.dims.coordinates(dist.get_rank())["dp"], plan.data_parallel_size)
     counts = {"restarts": len(failures), "checkpoint_failures": 0}
     restart_pending = bool(failures)
 

@@ -142,6 +142,8 @@ def test_published_config_json_is_the_preset(preset):
 
     derived = model_from_hf(PUBLISHED[preset])
     assert mismatches(PRESETS[preset], derived) == []
+    # the Instruct variants' shorter max_position_embeddings shapes no weight: not a mismatch
+    assert mismatches(PRESETS[preset], derived.with_(max_position_embeddings=32768)) == []
     # and back: the exported config.json describes the same model
     assert mismatches(PRESETS[preset], model_from_hf(to_hf(PRESETS[preset], "bfloat16"))) == []
 
@@ -169,6 +171,12 @@ def test_model_comes_from_config_json_or_must_match_it(hf_dirs, tmp_path):
     assert "model.hidden_size=896 but hidden_size gives 64" in text
     assert "model.num_layers=24 but num_hidden_layers gives 4" in text
     assert "model.untie_embeddings_and_output_weights" not in text  # both tied
+    # the config.yaml a pretrained run writes (preset null) reads back as the same model
+    from ray_ppu.config.loader import from_dict
+
+    tree = cfg.to_dict()
+    tree["checkpoint"]["pretrained"] = None
+    assert from_dict(tree).model == cfg.model
     with pytest.raises(ConfigError) as err:  # a field set without a preset: only it differs
         load(None, [f"checkpoint.pretrained={qwen}", "model.num_query_groups=4"])
     assert str(err.value).count(" but ") == 1
@@ -284,6 +292,10 @@ def test_round_trip_is_bit_exact(hf_dirs, launched, tmp_path, kind):
             assert sum(f.get_tensor(k).numel() * 4 for k in f.keys()) <= 100_000 or \
                 len(list(f.keys())) == 1
     assert (out / "generation_config.json").is_file()
+    with pytest.raises(ConfigError, match="already holds safetensors weights"):
+        from ray_ppu.hf.export import export
+
+        export(launched / f"mcore_{kind}", out)  # stale shards would mix with new ones
     if kind == "qwen_gqa":
         assert (out / "tokenizer.json").read_bytes() == \
             (hf_dirs[kind] / "tokenizer.json").read_bytes()

@@ -119,8 +119,9 @@ def _build_model(values: dict, pretrained: Any = None) -> ModelConfig:
             f"unknown model.preset '{name}'{_did_you_mean(str(name), PRESETS)}; "
             f"known presets: {', '.join(PRESETS)}"
         )
-    if not pretrained:
-        return _build_section(ModelConfig, values, "model", base=PRESETS[name])
+    if not pretrained:  # preset null: every field is in the section (a saved config.yaml)
+        base = PRESETS[name] if name is not None else ModelConfig()
+        return _build_section(ModelConfig, values, "model", base=base)
     from ray_ppu.hf.config import resolve_model
 
     base = PRESETS[name] if name is not None else resolve_model(None, str(pretrained))

@@ -20,10 +20,11 @@ from ray_ppu.config.schema import ModelConfig
 CONFIG_FILE = "config.json"
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 
-# ModelConfig fields that do not describe the published architecture (training choices): a
-# config may set them freely on top of a Hugging Face model.
+# ModelConfig fields a config may set freely on top of a Hugging Face model: training choices,
+# and max_position_embeddings, which shapes no weight (only RoPE tables) and differs between
+# published variants of one model (Qwen2.5-7B: 131072, its Instruct: 32768).
 TRAINING_FIELDS = ("preset", "init_method_std", "hidden_dropout", "attention_dropout",
-                   "make_vocab_size_divisible_by")
+                   "make_vocab_size_divisible_by", "max_position_embeddings")
 
 # HF config.json key for each architecture field, as named in error messages.
 HF_NAMES = {
@@ -68,6 +69,8 @@ def _rope(hf: dict, where: str) -> tuple[float, Optional[dict]]:
     else:
         theta = hf.get("rope_theta", 10_000.0)
         scaling = hf.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
     if theta is None:
         raise ConfigError(f"{where}: no rope_theta")
     return float(theta), scaling

@@ -42,12 +42,26 @@ def stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
             if isinstance(value, TensorStorageMetadata)}
 
 
-def read_regions(path: Path, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> None:
+def _reader(path: Path):
+    """A torch_dist reader that unpickles the checkpoint's metadata once, not per read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        _metadata = None
+
+        def read_metadata(self):
+            if self._metadata is None:
+                self._metadata = super().read_metadata()
+            return self._metadata
+
+    return Reader(str(path))
+
+
+def read_regions(reader, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> None:
     """Fill each ``{key: (global offset, tensor)}`` with that region of the stored tensor,
     reading only the chunks it overlaps, whatever layout saved them (torch.distributed
     .checkpoint with a planner that asks for the regions; no process group)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
@@ -68,8 +82,7 @@ def read_regions(path: Path, regions: dict[str, tuple[tuple[int, ...], torch.Ten
                 tensor = tensor.narrow(dim, start, length)
             return tensor
 
-    dcp.load({}, storage_reader=FileSystemReader(str(path)), planner=RegionPlanner(),
-             no_dist=True)
+    dcp.load({}, storage_reader=reader, planner=RegionPlanner(), no_dist=True)
 
 
 def _copy_side_files(sources: list[Path], out: Path) -> list[str]:
@@ -103,16 +116,25 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     if source.kind != "mcore":
         raise ConfigError(f"{checkpoint_path} is already a Hugging Face directory")
     model, path = source.model, source.path
+    out = Path(out).expanduser().resolve()
+    from ray_ppu.hf.files import INDEX_FILE
+
+    if any(out.glob("*.safetensors")) or (out / INDEX_FILE).exists():
+        raise ConfigError(f"{out} already holds safetensors weights: export into an empty or new "
+                          f"directory (stale shards would be loaded with the new ones)")
     stored = stored_tensors(path)
     expected = weights.layer_keys(model) + weights.global_keys(model)
     missing = [k for k in expected if k not in stored]
     if missing:
         raise ConfigError(f"{path}: the checkpoint lacks {', '.join(missing)} (not a "
                           f"{'Qwen2' if model.add_qkv_bias else 'LLaMA'} model of this shape?)")
+    if stored[weights.QKV][0][0] != model.num_layers:
+        raise ConfigError(f"{path}: {stored[weights.QKV][0][0]} layers stored, its model config "
+                          f"says {model.num_layers}")
     padded_vocab = stored[weights.EMBEDDING][0][0]
     out_dtype = DTYPES[dtype] if dtype else stored[weights.QKV][1]
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    reader = _reader(path)
     writer = ShardedWriter(out, max_shard_bytes)
 
     def emit(key: str, layer: Optional[int], tensor: torch.Tensor) -> None:
@@ -124,12 +146,12 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
         regions = {key: ((layer,) + (0,) * (len(stored[key][0]) - 1),
                          torch.empty((1, *stored[key][0][1:]), dtype=stored[key][1]))
                    for key in weights.layer_keys(model)}
-        read_regions(path, regions)
+        read_regions(reader, regions)
         for key, (_, tensor) in regions.items():
             emit(key, layer, tensor[0])
     regions = {key: ((0,) * len(stored[key][0]), torch.empty(stored[key][0], dtype=stored[key][1]))
                for key in weights.global_keys(model)}
-    read_regions(path, regions)
+    read_regions(reader, regions)
     for key, (_, tensor) in regions.items():
         emit(key, None, tensor)
     files = writer.close()

@@ -104,16 +104,24 @@ class Checkpoint:
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every expected tensor is there with its shape (headers only): one error listing
         every missing or misshapen tensor, naming its file."""
-        found = self.shapes()
         problems = []
         for name, shape in expected.items():
-            if name not in found:
-                problems.append(f"{name} missing")
-            elif found[name][0] != tuple(shape):
-                problems.append(f"{name} in {self.files[name].name} has shape "
-                                f"{list(found[name][0])}, expected {list(shape)}")
-            elif found[name][1] not in _DTYPES:
-                problems.append(f"{name} in {self.files[name].name} is {found[name][1]}")
+            path = self.files.get(name)
+            info = self._header(path)[1].get(name) if path is not None else None
+            if info is None:
+                where = f" (the index names {path.name}, which lacks it)" if path else ""
+                problems.append(f"{name} missing{where}")
+                continue
+            found, kind = tuple(info["shape"]), info["dtype"]
+            begin, end = info["data_offsets"]
+            if found != tuple(shape):
+                problems.append(f"{name} in {path.name} has shape {list(found)}, expected "
+                                f"{list(shape)}")
+            elif kind not in _DTYPES:
+                problems.append(f"{name} in {path.name} is {kind} (expected F32, BF16 or F16)")
+            elif end - begin != math.prod(found) * _DTYPES[kind].itemsize:
+                problems.append(f"{name} in {path.name} has {end - begin} bytes of data, "
+                                f"not {math.prod(found) * _DTYPES[kind].itemsize}")
         if problems:
             more = f" (+{len(problems) - 8} more)" if len(problems) > 8 else ""
             raise ConfigError(f"checkpoint.pretrained {self.dir} does not fit the model: "
@@ -130,6 +138,8 @@ class Checkpoint:
         info = table[name]
         dtype, shape = _DTYPES[info["dtype"]], tuple(info["shape"])
         first, stop, _ = (rows or slice(None)).indices(shape[0])
+        if out.shape[0] != stop - first:
+            raise ValueError(f"{name}: rows {first}:{stop} into {out.shape[0]} rows")
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
         offset = start + info["data_offsets"][0] + first * row_bytes
         f = self._open.get(path)

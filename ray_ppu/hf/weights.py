@@ -219,6 +219,8 @@ def check_checkpoint(directory: str, model: ModelConfig) -> None:
 
 
 def load_pretrained(chunks: list, directory: str, model: ModelConfig, padded_vocab: int) -> dict:
-    """:func:`load_into` from the Hugging Face directory ``directory``."""
+    """:func:`load_into` from the Hugging Face directory ``directory``, after the header check
+    (what a run checks on the driver; conversion and generation get it here)."""
     with Checkpoint(directory) as ckpt:
+        ckpt.check(hf_shapes(model))
         return load_into(chunks, ckpt, model, padded_vocab)
