@@ -130,3 +130,27 @@ def test_packed_rows_count_the_real_sample_lengths():
     assert flops == pytest.approx(dense + plan.attention_flops_coefficient * squares)
     m = cfg.model
     assert plan.attention_flops_coefficient == 6 * m.num_layers * m.kv_channels * m.num_attention_heads
+
+
+def test_sample_log_counts_the_group_that_trained_an_iteration_last(tmp_path):
+    """An elastic group of DP 2 logs part of iteration 5 and is lost; the DP 1 group that
+    replaces it trains iteration 5 again: only the DP 1 group's ids count (the DP-rank-1 line
+    of the lost group has no successor and is stale). A restart at the same size replaces
+    every line."""
+    from ray_ppu.metrics import SampleLog, read_sample_log
+
+    lost = [SampleLog(tmp_path, rank, dp_rank=rank, dp_size=2) for rank in (0, 1)]
+    lost[0].write(4, [12, 14])
+    lost[1].write(4, [13, 15])
+    lost[1].write(5, [17, 19])  # rank 0 never got to log iteration 5
+    for log in lost:
+        log.close()
+    after = SampleLog(tmp_path, 0, dp_rank=0, dp_size=1)
+    after.write(5, [16, 17, 18, 19])
+    after.write(6, [20, 21, 22, 23])
+    after.close()
+    again = SampleLog(tmp_path, 0, dp_rank=0, dp_size=1)  # a restart at the same size
+    again.write(6, [20, 21, 22, 23])
+    again.close()
+    assert read_sample_log(tmp_path) == {4: [12, 13, 14, 15], 5: [16, 17, 18, 19],
+                                         6: [20, 21, 22, 23]}
