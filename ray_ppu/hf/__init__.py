@@ -5,7 +5,11 @@ Data flow, one module per arrow::
     config.json            -> config.py   ModelConfig (derived, or checked against the preset)
     *.safetensors (+index) -> files.py    header-only checks, slice reads, sharded writes
     HF tensor <-> Megatron -> weights.py  the name and layout mapping, per-rank loading
+    HF directory           -> convert.py  a weights-only torch_dist checkpoint
     torch_dist checkpoint  -> export.py   one layer at a time, into HF safetensors shards
+
+Training loads through ``checkpoint.pretrained`` (``ray_ppu.worker``); generation through
+``ray_ppu.inference``; users through ``entrypoints/convert_checkpoint.py`` and ``generate.py``.
 
 The Megatron side is always the *layout-independent* form that ``dist_checkpointing`` stores
 (``decoder.layers.self_attention.linear_qkv.weight`` with a leading layer axis, the whole
