@@ -86,21 +86,15 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from ray_ppu.model import build_model
-
     with parallel.process_group(backend):
         cfg, plan = inference.inference_config(source.model, dist.get_world_size(), args.tp,
                                                args.pp, precision=precision, device=backend)
-        with devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))):
-            parallel.initialize(plan, cfg.training.seed)
-            try:
-                chunks, _ = build_model(cfg, plan, backend, initialize=False, ddp=False)
-                inference.load_weights(chunks, source, cfg, plan)
-                new, logits = inference.greedy(chunks, prompt, source.model.vocab_size,
-                                               devices.torch_device(backend),
-                                               args.max_new_tokens, stop)
-            finally:
-                parallel.destroy()
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        with inference.built_model(cfg, plan, backend, local_rank) as chunks:
+            inference.load_weights(chunks, source, cfg, plan)
+            new, logits = inference.greedy(chunks, prompt, source.model.vocab_size,
+                                           devices.torch_device(backend),
+                                           args.max_new_tokens, stop)
         if dist.get_rank() != 0:
             return 0
     result = {"checkpoint": str(source.path), "format": source.kind, "prompt_ids": prompt,

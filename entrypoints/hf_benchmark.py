@@ -113,9 +113,8 @@ def child(directory: str, tp: int, pp: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from ray_ppu import devices, inference, parallel
+    from ray_ppu import inference, parallel
     from ray_ppu.hf.weights import load_pretrained
-    from ray_ppu.model import build_model
 
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -123,17 +122,12 @@ def child(directory: str, tp: int, pp: int, out: str) -> None:
         source = inference.open_source(directory)
         cfg, plan = inference.inference_config(source.model, dist.get_world_size(), tp, pp,
                                                precision="bf16", device="cpu")
-        with devices.bound("cpu", 0):
-            parallel.initialize(plan, 0)
-            try:
-                chunks, _ = build_model(cfg, plan, "cpu", initialize=False, ddp=False)
-                held = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
-                before = _Peaks.now()
-                dist.barrier()
-                with _Peaks() as peaks:
-                    took = load_pretrained(chunks, directory, cfg.model, plan.padded_vocab_size)
-            finally:
-                parallel.destroy()
+        with inference.built_model(cfg, plan, "cpu") as chunks:
+            held = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+            before = _Peaks.now()
+            dist.barrier()
+            with _Peaks() as peaks:
+                took = load_pretrained(chunks, directory, cfg.model, plan.padded_vocab_size)
         after = _Peaks.now()
         row = {"rank": dist.get_rank(), "seconds": took["seconds"], "read": took["bytes_read"],
                "held": held, "before": before,

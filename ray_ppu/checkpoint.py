@@ -473,7 +473,7 @@ def _align_param_group_index_map(optimizer) -> None:
                 index[model_param] = (g, position[id(main_param)])
 
 
-def _unwrap(chunk):
+def unwrap(chunk):
     """The GPTModel inside Megatron's DDP wrapper: DDP has no sharded_state_dict of its own,
     so the default one would prefix every key with ``module.``; GPTModel's keys are Megatron's
     canonical ones (``decoder.layers.…``), the ones other Megatron tools read."""
@@ -486,10 +486,10 @@ def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
     """Model chunks' and optimizer's sharded state dicts, keyed as Megatron-LM does."""
     state: dict = {}
     if len(model) == 1:
-        state["model"] = _unwrap(model[0]).sharded_state_dict()
+        state["model"] = unwrap(model[0]).sharded_state_dict()
     else:  # virtual pipeline stages: each chunk knows its own layer offsets (vp_stage)
         for i, chunk in enumerate(model):
-            state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
+            state[f"model{i}"] = unwrap(chunk).sharded_state_dict()
     if optimizer is not None:
         _align_param_group_index_map(optimizer)
         _materialize_optimizer_state(optimizer)  # a fresh optimizer: loading, or iteration 0
@@ -769,10 +769,10 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
     loaded = dist_checkpointing.load(state, resume.path)
 
     if len(model) == 1:
-        _unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+        unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
     else:
         for i, chunk in enumerate(model):
-            _unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
     if resume.weights_only:
         # The optimizer copied the (random) weights into its main parameters when it was built.
         if optimizer is not None:

@@ -8,15 +8,16 @@ through Megatron's forward-only pipeline schedule again (no KV cache).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Iterator, Literal, Optional
 
 import torch
 import torch.distributed as dist
 
-from ray_ppu import checkpoint
+from ray_ppu import checkpoint, devices, parallel
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import (
     ClusterConfig,
@@ -37,6 +38,8 @@ class Source:
     kind: Literal["hf", "mcore"]
     model: ModelConfig
     meta: Optional[checkpoint.Meta] = None
+    hf_config: Optional[dict] = None
+    """hf: the parsed config.json."""
 
     @property
     def hf_dir(self) -> Optional[Path]:
@@ -47,10 +50,10 @@ class Source:
         return Path(source) if source and Path(source).is_dir() else None
 
 
-def open_source(path: str | Path, model: Optional[ModelConfig] = None) -> Source:
-    """What ``path`` holds: a Hugging Face directory (config.json + safetensors) or a
-    checkpoint (or a directory of them: the latest complete one). ``model`` overrides the
-    architecture of checkpoints saved before ray_ppu recorded it in their meta."""
+def open_source(path: str | Path) -> Source:
+    """What ``path`` holds: a Hugging Face directory (config.json + safetensors, its tensors
+    checked against config.json) or a checkpoint (or a directory of them: the latest complete
+    one)."""
     from ray_ppu.hf import config as hf_config
     from ray_ppu.hf.files import INDEX_FILE, SINGLE_FILE
 
@@ -59,9 +62,10 @@ def open_source(path: str | Path, model: Optional[ModelConfig] = None) -> Source
             (path / f).is_file() for f in (SINGLE_FILE, INDEX_FILE)):
         from ray_ppu.hf.weights import check_checkpoint
 
-        model = hf_config.model_from_hf(hf_config.read(path), str(path / hf_config.CONFIG_FILE))
+        raw = hf_config.read(path)
+        model = hf_config.model_from_hf(raw, str(path / hf_config.CONFIG_FILE))
         check_checkpoint(str(path), model)  # headers only: before any model is built
-        return Source(path, "hf", model)
+        return Source(path, "hf", model, hf_config=raw)
     meta = checkpoint.read_meta(path)
     if meta is None:
         found = checkpoint.latest(path)
@@ -70,12 +74,11 @@ def open_source(path: str | Path, model: Optional[ModelConfig] = None) -> Source
                               f"safetensors) nor a complete ray_ppu checkpoint (or a directory "
                               f"of them)")
         path, meta = found
-    if model is None:
-        if meta.model is None:
-            raise ConfigError(f"{path} does not record its model config (saved by an older "
-                              f"ray_ppu): pass the run's config file")
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        model = ModelConfig(**{k: v for k, v in meta.model.items() if k in known})
+    if meta.model is None:
+        raise ConfigError(f"{path} does not record its model config (saved by an older "
+                          f"ray_ppu): load it in a run (checkpoint.load) and save it again")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(**{k: v for k, v in meta.model.items() if k in known})
     return Source(path, "mcore", model, meta)
 
 
@@ -98,6 +101,22 @@ def inference_config(model: ModelConfig, world_size: int, tp: int = 1, pp: int =
         data=DataConfig(data_path=["(inference: no data)"]),
     )
     return cfg, build_plan(cfg)
+
+
+@contextlib.contextmanager
+def built_model(cfg: RunConfig, plan: Plan, backend: str,
+                local_rank: int = 0) -> Iterator[list]:
+    """This rank's model chunks for forward passes or conversion: bound to its device, in
+    Megatron's parallel groups, zeros until weights are loaded, no DDP (no gradient buffers);
+    the groups are torn down at exit."""
+    from ray_ppu.model import build_model
+
+    with devices.bound(backend, local_rank):
+        parallel.initialize(plan, cfg.training.seed)
+        try:
+            yield build_model(cfg, plan, backend, initialize=False, ddp=False)[0]
+        finally:
+            parallel.destroy()
 
 
 def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan) -> None:

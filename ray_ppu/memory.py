@@ -82,15 +82,14 @@ def layer_activation_bytes(cfg: RunConfig, plan, te: bool) -> dict[str, float]:
     projections = (q + 4 * f) * per_token
     # core attention's inputs: q and k after RoPE, and v, a view of the QKV GEMM's output
     # (whose whole storage stays): 2q + 3k; with selective recompute that is all it keeps
-    attention = (2 * q + 3 * k) * per_token
-    if mem.recompute != "selective":
-        if te:  # fused / flash attention also keeps the softmax statistics (fp32 per head)
-            attention += s * b * heads * 4
-        else:
-            # Megatron's local attention repeats k and v to every query head (GQA): q, k, v
-            # at q each; and it keeps the fp32 softmax output (and its 16-bit cast) for the s²
-            # product
-            attention = 3 * q * per_token + heads * s * s * b * (4 + (e if e < 4 else 0))
+    if mem.recompute == "selective":
+        attention = (2 * q + 3 * k) * per_token
+    elif te:  # fused / flash attention also keeps the softmax statistics (fp32 per head)
+        attention = (2 * q + 3 * k) * per_token + s * b * heads * 4
+    else:
+        # Megatron's local attention repeats k and v to every query head (GQA): q, k, v at q
+        # each; and it keeps the fp32 softmax output (and its 16-bit cast) for the s² product
+        attention = 3 * q * per_token + heads * s * s * b * (4 + (e if e < 4 else 0))
     stored = norms_and_gemm_inputs + projections + attention
     return {"stored": stored, "input": s * b * h / norm_div * e}
 
@@ -132,9 +131,7 @@ def _activation_bytes(cfg: RunConfig, plan, te: bool, stage: str) -> tuple[float
         # final norm and output GEMM inputs; the cross entropy keeps the softmax of the
         # logits (computed in place over them), fp32
         s = plan.seq_length / plan.context_parallel_size
-        e = _element_bytes(cfg)
-        norm_div = plan.tensor_model_parallel_size if plan.sequence_parallel else 1
-        per_chunk += (2 * s * plan.micro_batch_size * m.hidden_size / norm_div * e
+        per_chunk += (2 * layer["input"]
                       + s * plan.micro_batch_size * plan.padded_vocab_size
                       / plan.tensor_model_parallel_size * 4)
     return per_chunk, in_flight, unit

@@ -38,10 +38,6 @@ from ray_ppu.config.schema import RunConfig
 log = logging.getLogger("ray_ppu")
 
 
-def _index_cache(cfg: RunConfig) -> str:
-    return cfg.data.index_cache_dir or str(Path(cfg.output.dir) / "index_cache")
-
-
 def _abs(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
@@ -66,6 +62,8 @@ def plan_checks(cfg: RunConfig) -> dict:
             files += [(key, _abs(p) + ext) for p in prefixes for ext in (".bin", ".idx")]
     if d.tokenizer:
         dirs.append(("data.tokenizer", _abs(d.tokenizer)))
+    if cfg.checkpoint.load:
+        dirs.append(("checkpoint.load", _abs(cfg.checkpoint.load)))
     if cfg.checkpoint.pretrained:  # config.json and every safetensors file the ranks read
         from ray_ppu.hf.files import Checkpoint
 
@@ -75,11 +73,10 @@ def plan_checks(cfg: RunConfig) -> dict:
                   for p in [str(Path(pretrained) / "config.json"), *weights]]
     return {
         "writable": [("output.dir", _abs(cfg.output.dir)),
-                     ("data.index_cache_dir", _abs(_index_cache(cfg)))],
+                     ("data.index_cache_dir", _abs(cfg.index_cache_dir()))],
         "files": files,
         "inputs": inputs,
         "dirs": dirs,
-        "load": _abs(cfg.checkpoint.load) if cfg.checkpoint.load else None,
         "device": cfg.cluster.device,
         "needs_te": needs_transformer_engine(cfg),
     }
@@ -183,11 +180,6 @@ def node_check(checks: dict) -> dict:
         problems.append(_check_input(key, spec))
     for key, path in checks["dirs"]:
         problems.append(_check_listable_dir(key, path))
-    if checks["load"]:
-        load = checks["load"]
-        problems.append(_check_listable_dir("checkpoint.load", load) if os.path.isdir(load)
-                        else f"checkpoint.load {load}: missing" if not os.path.exists(load)
-                        else f"checkpoint.load {load}: not a directory")
     facts = _device_facts(checks["device"])
     if facts["device_error"]:
         problems.append(facts["device_error"])

@@ -479,9 +479,8 @@ def _run_layouts(jobs: dict) -> None:
 
     import torch.distributed as dist
 
-    from ray_ppu import devices, inference, parallel
+    from ray_ppu import inference, parallel
     from ray_ppu.hf.convert import to_mcore
-    from ray_ppu.model import build_model
 
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     out = Path(jobs["out"])
@@ -491,15 +490,10 @@ def _run_layouts(jobs: dict) -> None:
             for tp, pp, vs in layouts:
                 cfg, plan = inference.inference_config(source.model, dist.get_world_size(), tp,
                                                        pp, vs, device="cpu")
-                with devices.bound("cpu", 0):
-                    parallel.initialize(plan, 0)
-                    try:
-                        chunks, _ = build_model(cfg, plan, "cpu", initialize=False, ddp=False)
-                        inference.load_weights(chunks, source, cfg, plan)
-                        logits = inference.prompt_logits(chunks, PROMPT, source.model.vocab_size,
-                                                         torch.device("cpu"))
-                    finally:
-                        parallel.destroy()
+                with inference.built_model(cfg, plan, "cpu") as chunks:
+                    inference.load_weights(chunks, source, cfg, plan)
+                    logits = inference.prompt_logits(chunks, PROMPT, source.model.vocab_size,
+                                                     torch.device("cpu"))
                 if dist.get_rank() == 0:
                     torch.save(logits, out / f"{kind}_tp{tp}_pp{pp}_vs{vs}.pt")
         for kind in jobs["convert"]:

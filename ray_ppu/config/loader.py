@@ -122,10 +122,13 @@ def _build_model(values: dict, pretrained: Any = None) -> ModelConfig:
     if not pretrained:  # preset null: every field is in the section (a saved config.yaml)
         base = PRESETS[name] if name is not None else ModelConfig()
         return _build_section(ModelConfig, values, "model", base=base)
-    from ray_ppu.hf.config import resolve_model
+    from ray_ppu.hf.config import directory_model, require_match
 
-    base = PRESETS[name] if name is not None else resolve_model(None, str(pretrained))
-    return resolve_model(_build_section(ModelConfig, values, "model", base=base), str(pretrained))
+    theirs = directory_model(str(pretrained))
+    model = _build_section(ModelConfig, values, "model",
+                           base=PRESETS[name] if name is not None else theirs)
+    require_match(model, theirs, str(pretrained))
+    return model
 
 
 def from_dict(tree: dict) -> RunConfig:

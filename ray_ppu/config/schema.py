@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional
 
 
@@ -354,3 +355,8 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def index_cache_dir(self) -> str:
+        """Where the data indices are cached: ``data.index_cache_dir``, else
+        ``<output.dir>/index_cache``."""
+        return self.data.index_cache_dir or str(Path(self.output.dir) / "index_cache")

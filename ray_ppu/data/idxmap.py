@@ -265,7 +265,7 @@ def read(spec: SampleSpec, sample_ids: np.ndarray, split: str = "train") -> dict
 
 def spec_for(cfg, plan) -> SampleSpec:
     """The SampleSpec of a run (``cfg``: RunConfig, ``plan``: Plan)."""
-    cache = cfg.data.index_cache_dir or str(Path(cfg.output.dir) / "index_cache")
+    cache = cfg.index_cache_dir()
     prefixes, weights = parse_blend(cfg.data.data_path)
     valid_prefixes, valid_weights = (parse_blend(cfg.data.valid_data_path, "data.valid_data_path")
                                      if cfg.data.valid_data_path else ((), None))

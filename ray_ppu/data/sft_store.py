@@ -65,7 +65,7 @@ class SFTSpec:
 def spec_for(cfg, plan) -> SFTSpec:
     """The SFTSpec of a run (``cfg``: RunConfig with ``data.dataset == "sft"``)."""
     d = cfg.data
-    cache = d.index_cache_dir or str(Path(cfg.output.dir) / "index_cache")
+    cache = cfg.index_cache_dir()
     return SFTSpec(
         train_paths=tuple(d.data_path),
         valid_paths=tuple(d.valid_data_path),

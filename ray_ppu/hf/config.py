@@ -156,26 +156,22 @@ def mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
     return lines
 
 
-def resolve_model(model: Optional[ModelConfig], directory: str | Path) -> ModelConfig:
-    """The model a run with ``checkpoint.pretrained=directory`` trains.
+def directory_model(directory: str | Path) -> ModelConfig:
+    """The ModelConfig of a Hugging Face model directory's config.json."""
+    return model_from_hf(read(directory), str(Path(directory).expanduser() / CONFIG_FILE))
 
-    ``model`` None (the config names no preset or architecture field): the one config.json
-    describes. Otherwise ``model`` must be that architecture: a mismatch is a ConfigError
-    naming every differing field; training-only fields (init std, dropout, vocab padding
-    multiple) are kept from ``model``.
-    """
-    where = str(Path(directory).expanduser() / CONFIG_FILE)
-    theirs = model_from_hf(read(directory), where)
-    if model is None:
-        return theirs
+
+def require_match(model: ModelConfig, theirs: ModelConfig, directory: str | Path) -> None:
+    """A run with ``checkpoint.pretrained=directory`` must train config.json's architecture
+    ``theirs``: a ConfigError names every field of ``model`` that differs (training-only
+    fields, :data:`TRAINING_FIELDS`, may)."""
     wrong = mismatches(model, theirs)
     if wrong:
         named = f" (preset {model.preset})" if model.preset else ""
         raise ConfigError(f"the model config{named} does not match checkpoint.pretrained "
-                          f"{where}: " + "; ".join(wrong)
+                          f"{Path(directory).expanduser() / CONFIG_FILE}: " + "; ".join(wrong)
                           + ". Leave the model section out to take the architecture from "
                             "config.json.")
-    return model
 
 
 def to_hf(model: ModelConfig, dtype: str, base: Optional[dict] = None) -> dict:

@@ -16,11 +16,12 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ray_ppu import checkpoint, devices, parallel
+from ray_ppu import checkpoint, devices
 from ray_ppu.config.loader import ConfigError
+from ray_ppu.hf.export import DTYPES, hf_dtype_name
 
 # config.json's torch_dtype → the training precision whose parameters keep it exactly
-PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+PRECISION = {hf_dtype_name(dtype): precision for precision, dtype in DTYPES.items()}
 
 
 def to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
@@ -33,31 +34,24 @@ def to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
     4. A weights-only checkpoint ``<out>/iter_0000000`` (meta: model config, source
        config.json and directory, so an export restores them).
     """
-    from ray_ppu.hf import config as hf_config
     from ray_ppu.hf.weights import load_pretrained
-    from ray_ppu.inference import inference_config, open_source
-    from ray_ppu.model import build_model
+    from ray_ppu.inference import built_model, inference_config, open_source
 
     started = time.perf_counter()
     source = open_source(hf_dir)
     if source.kind != "hf":
         raise ConfigError(f"{hf_dir} is not a Hugging Face model directory")
-    raw = hf_config.read(source.path)
+    raw = source.hf_config
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     precision = precision or PRECISION.get(dtype, "fp32")
     backend = devices.resolve(device)
     cfg, plan = inference_config(source.model, dist.get_world_size(), tp, pp,
                                  precision=precision, device=backend)
-    with devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))):
-        parallel.initialize(plan, cfg.training.seed)
-        try:
-            chunks, _ = build_model(cfg, plan, backend, initialize=False, ddp=False)
-            read = load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
-            saver = checkpoint.Saver(out, plan, cfg, origin={"hf_config": raw,
-                                                             "hf_source": str(source.path)})
-            [(path, meta, _)] = saver.save(0, chunks, None, None)
-        finally:
-            parallel.destroy()
+    with built_model(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0))) as chunks:
+        read = load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
+        saver = checkpoint.Saver(out, plan, cfg, origin={"hf_config": raw,
+                                                         "hf_source": str(source.path)})
+        [(path, meta, _)] = saver.save(0, chunks, None, None)
     return {"checkpoint": str(path), "precision": precision, "tp": tp, "pp": pp,
             "bytes_read_rank0": read["bytes_read"], "files": len(meta.files or {}),
             "seconds": time.perf_counter() - started}

@@ -20,7 +20,7 @@ import torch
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.hf import config as hf_config
 from ray_ppu.hf import weights
-from ray_ppu.hf.files import MAX_SHARD_BYTES, ShardedWriter
+from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, ShardedWriter
 
 # What a Hugging Face model directory carries besides weights and config.json.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -28,15 +28,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "chat_template.jinja", "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def stored_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def hf_dtype_name(dtype: torch.dtype) -> str:
+    """config.json's name of a dtype: torch.bfloat16 → "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def stored_tensors(reader) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{key: (global shape, dtype)} of every tensor in a torch_dist checkpoint (metadata only)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = reader.read_metadata()
     return {key: (tuple(value.size), value.properties.dtype)
             for key, value in metadata.state_dict_metadata.items()
             if isinstance(value, TensorStorageMetadata)}
@@ -117,12 +120,11 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
         raise ConfigError(f"{checkpoint_path} is already a Hugging Face directory")
     model, path = source.model, source.path
     out = Path(out).expanduser().resolve()
-    from ray_ppu.hf.files import INDEX_FILE
-
     if any(out.glob("*.safetensors")) or (out / INDEX_FILE).exists():
         raise ConfigError(f"{out} already holds safetensors weights: export into an empty or new "
                           f"directory (stale shards would be loaded with the new ones)")
-    stored = stored_tensors(path)
+    reader = _reader(path)
+    stored = stored_tensors(reader)
     expected = weights.layer_keys(model) + weights.global_keys(model)
     missing = [k for k in expected if k not in stored]
     if missing:
@@ -134,7 +136,6 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     padded_vocab = stored[weights.EMBEDDING][0][0]
     out_dtype = DTYPES[dtype] if dtype else stored[weights.QKV][1]
     out.mkdir(parents=True, exist_ok=True)
-    reader = _reader(path)
     writer = ShardedWriter(out, max_shard_bytes)
 
     def emit(key: str, layer: Optional[int], tensor: torch.Tensor) -> None:
@@ -157,7 +158,7 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     files = writer.close()
 
     meta = source.meta
-    config = hf_config.to_hf(model, _HF_DTYPE[out_dtype], meta.hf_config)
+    config = hf_config.to_hf(model, hf_dtype_name(out_dtype), meta.hf_config)
     (out / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     sources = [Path(p) for p in (tokenizer, source.hf_dir) if p]
     copied = _copy_side_files(sources, out)
@@ -165,6 +166,6 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
         (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
     return {"checkpoint": str(path), "out": str(out), "files": [f.name for f in files],
-            "bytes": writer.total, "dtype": _HF_DTYPE[out_dtype], "copied": copied,
+            "bytes": writer.total, "dtype": hf_dtype_name(out_dtype), "copied": copied,
             "tokenizer": any(name in copied for name in TOKENIZER_FILES),
             "seconds": time.perf_counter() - started}

@@ -93,14 +93,6 @@ class Checkpoint:
             self._headers[path] = header(path)
         return self._headers[path]
 
-    def shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """{tensor name: (shape, safetensors dtype)} from the headers only."""
-        out = {}
-        for path in sorted(set(self.files.values())):
-            for name, info in self._header(path)[1].items():
-                out[name] = (tuple(info["shape"]), info["dtype"])
-        return out
-
     def check(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Every expected tensor is there with its shape (headers only): one error listing
         every missing or misshapen tensor, naming its file."""

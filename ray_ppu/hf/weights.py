@@ -27,6 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ray_ppu.checkpoint import unwrap
 from ray_ppu.config.schema import ModelConfig
 from ray_ppu.hf.files import Checkpoint
 
@@ -160,12 +161,6 @@ def to_hf(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int],
             for name, parts in grouped.items()]
 
 
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _sharded_tensors(module) -> Iterator:
     """The ShardedTensors of a GPTModel chunk: views of its parameters (the SwiGLU fc1
     factory applied: one view per half)."""
@@ -194,7 +189,7 @@ def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: 
     """
     start = time.perf_counter()
     for chunk in chunks:
-        module = _unwrap(chunk)
+        module = unwrap(chunk)
         filled = 0
         for sh in _sharded_tensors(module):
             prepend = sh.prepend_axis_num
