@@ -120,8 +120,7 @@ def overhead(rounds: int, iters: int, extra: list[str]) -> None:
 
 
 def metrics_overhead(rounds: int, iters: int, extra: list[str]) -> None:
-    """The demo run under Ray Train with the Ray metrics export (and the end-of-run report) on
-    and off, alternated; median step times side by side and their ratio."""
+    """The demo run under Ray Train with the Ray metrics export on and off, alternated; median step times side by side and their ratio."""
     from ray_ppu.config.loader import load
     from ray_ppu.data.preprocess import build_stdlib_corpus
     from ray_ppu.data.tokenizer import qwen2

@@ -30,7 +30,6 @@ import posixpath
 import re
 import shlex
 import sys
-import tempfile
 import textwrap
 import warnings
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.config.loader import ConfigError, load  # noqa: E402
+from ray_ppu.config.loader import ConfigError, from_dict  # noqa: E402
 from ray_ppu.config.presets import PRESETS  # noqa: E402
 from ray_ppu.plan import Plan, build_plan  # noqa: E402
 
@@ -118,10 +117,6 @@ class Migration:
             self.sources[key] = source
         if comment:
             self.comments[key] = comment
-
-    def get(self, key: str, default: Any = None) -> Any:
-        section, name = key.split(".")
-        return self.values.get(section, {}).get(name, default)
 
     def note(self, text: str) -> None:
         self.notes.append(text)
@@ -719,19 +714,16 @@ def blame(problem: str, m: Migration) -> str:
 def validate(text: str, m: Migration) -> Plan:
     """Load the YAML as ``pretrain.py --config`` would and build its plan; a ConfigError becomes
     a MigrationError naming the script arguments behind each problem."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "run.yaml"
-        path.write_text(text)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return build_plan(load(path))
-        except ConfigError as err:
-            problems = [p.strip() for p in str(err).split("\n  - ")]
-            if len(problems) > 1:  # build_plan: "invalid configuration:" and one line each
-                problems.pop(0)
-            raise MigrationError("\n  - ".join(["the migrated config is invalid:"] +
-                                               [p + blame(p, m) for p in problems])) from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return build_plan(from_dict(yaml.safe_load(text)))
+    except ConfigError as err:
+        problems = [p.strip() for p in str(err).split("\n  - ")]
+        if len(problems) > 1:  # build_plan: "invalid configuration:" and one line each
+            problems.pop(0)
+        raise MigrationError("\n  - ".join(["the migrated config is invalid:"] +
+                                           [p + blame(p, m) for p in problems])) from None
 
 
 # --------------------------------------------------------------------------- command line

@@ -7,8 +7,8 @@ here (loss and validation loss per iteration, throughput and MFU or TFLOP/s per 
 with restarts and checkpoints marked, data wait per iteration), the events, the config and the
 plan. No JavaScript, no external assets: the file can be copied anywhere and opened offline.
 
-Any of the three files may be missing or partial (a live run appends to metrics.jsonl; the
-torchrun entry point writes no config.yaml or plan.json): the page shows what there is.
+Any of the three files may be missing or partial (a live run appends to metrics.jsonl): the
+page shows what there is.
 """
 
 from __future__ import annotations
