@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data.order import consumed_samples, valid_start
+from ray_ppu.util.fs import atomic_write_text
 
 log = logging.getLogger("ray_ppu")
 
@@ -339,7 +340,7 @@ def stream_start(cfg: RunConfig, eval_interval: int, eval_iters: int, token: str
     record.update(token=token, iteration=iteration, checkpoint=resume.path if resume else None,
                   weights_only=bool(resume and resume.weights_only), time=time.time())
     record[split] = start
-    _write_atomic(record_path, json.dumps(record, indent=2))
+    atomic_write_text(record_path, json.dumps(record, indent=2))
     return start
 
 
@@ -365,16 +366,6 @@ def check_stream_start(cfg: RunConfig, token: str, resume: Optional[ResumePoint]
             f"{ours[1]}: the checkpoints changed between building the streams and starting the "
             f"workers; refusing to train on misaligned data")
     return record["train"]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def remove_incomplete(root: str | Path) -> list[Path]:
@@ -716,7 +707,7 @@ class Saver:
         error = None
         if dist.get_rank() == 0:
             try:
-                _write_atomic(path / META_FILE, json.dumps(dataclasses.asdict(meta), indent=2))
+                atomic_write_text(path / META_FILE, json.dumps(dataclasses.asdict(meta), indent=2))
             except OSError as err:
                 error = f"{type(err).__name__}: {err}"
         _agree_saved(path, iteration, error)  # also the barrier: complete on every rank now

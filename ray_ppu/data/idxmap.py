@@ -13,7 +13,9 @@ them with mmap.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +23,12 @@ from typing import Optional
 
 import numpy as np
 
+from ray_ppu.data import sample_reader
+from ray_ppu.util.fs import atomic_write_text
+
 log = logging.getLogger(__name__)
 
-SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+SAMPLE_KEYS = sample_reader.SAMPLE_KEYS
 
 
 @dataclass(frozen=True)
@@ -241,10 +246,37 @@ def dataset(spec: SampleSpec, split: str = "train"):
 
 
 def prepare(spec: SampleSpec) -> dict[str, int]:
-    """Check the corpora, build and cache Megatron's indices; returns samples per split."""
+    """Check the corpora, build and cache Megatron's indices, and write the manifest the
+    readers open them by (:mod:`ray_ppu.data.sample_reader`); returns samples per split."""
     check(spec)
     Path(spec.index_cache_dir).mkdir(parents=True, exist_ok=True)
-    return {split: 0 if ds is None else len(ds) for split, ds in _build(spec).items()}
+    built = _build(spec)
+    _write_manifest(spec, built)
+    return {split: 0 if ds is None else len(ds) for split, ds in built.items()}
+
+
+def manifest(spec: SampleSpec) -> Path:
+    """The manifest of ``spec``'s cached indices (written by :func:`prepare`)."""
+    return sample_reader.manifest_path(spec.index_cache_dir, dataclasses.asdict(spec))
+
+
+def _write_manifest(spec: SampleSpec, built: dict) -> None:
+    """Name, per split, the index files Megatron cached for each of its datasets: the readers
+    compute nothing, they map what Megatron built."""
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    def entry(ds) -> dict:
+        if isinstance(ds, BlendedDataset):
+            return {"kind": "blend", "hash": ds.unique_description_hash, "split": ds.split.name,
+                    "datasets": [entry(d) for d in ds.datasets], "samples": len(ds)}
+        return {"kind": "gpt", "hash": ds.unique_description_hash, "split": ds.index_split.name,
+                "prefix": ds.dataset.path_prefix, "seq_length": spec.seq_length,
+                "samples": len(ds)}
+
+    text = json.dumps({"seq_length": spec.seq_length, "cache_dir": spec.index_cache_dir,
+                       "splits": {split: None if ds is None else entry(ds)
+                                  for split, ds in built.items()}}, indent=1)
+    atomic_write_text(manifest(spec), text)
 
 
 def read(spec: SampleSpec, sample_ids: np.ndarray, split: str = "train") -> dict[str, np.ndarray]:

@@ -29,6 +29,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from ray_ppu.util.fs import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 # Qwen2's pre-tokenisation pattern (its tokenizer.json "Split" regex).
@@ -265,12 +267,6 @@ def _merge_parts(token: bytes, ranks: dict[bytes, int]) -> tuple[bytes, bytes] |
     return parts[0], parts[1]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
-
-
 def export_qwen2_tokenizer(directory: str | Path) -> Path:
     """Write the Qwen2 BPE (from the dashscope ranks) as a Hugging Face tokenizer directory.
 
@@ -333,10 +329,10 @@ def export_qwen2_tokenizer(directory: str | Path) -> Path:
         "model_max_length": 131072,
         "split_special_tokens": False,
     }
-    _write_atomic(directory / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False))
-    _write_atomic(directory / "vocab.json", json.dumps(vocab, ensure_ascii=False))
-    _write_atomic(directory / "merges.txt", "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
-    _write_atomic(directory / "tokenizer.json", tok.to_str(pretty=False))
+    atomic_write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2, ensure_ascii=False))
+    atomic_write_text(directory / "vocab.json", json.dumps(vocab, ensure_ascii=False))
+    atomic_write_text(directory / "merges.txt", "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+    atomic_write_text(directory / "tokenizer.json", tok.to_str(pretty=False))
     log.info("exported the Qwen2 tokenizer (%d merges) to %s in %.1f s",
                                      len(merges), directory, time.perf_counter() - started)
     return directory
