@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ray_ppu.config.loader import ConfigError  # noqa: E402
+from ray_ppu.errors import report_before_group  # noqa: E402
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KB|MB|GB)?$", re.IGNORECASE)
 
@@ -73,9 +75,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def check_layout(hf_dir: str, tp: int, pp: int, precision, backend: str) -> None:
+    """hf-to-mcore's source and its --tp × --pp against the model, for the world the process
+    group will have (torchrun's WORLD_SIZE, else one process): ConfigError before any rank
+    joins it, the checks :func:`ray_ppu.hf.convert.to_mcore` makes after."""
+    from ray_ppu.hf.convert import PRECISION
+    from ray_ppu.inference import inference_config, open_source
+
+    source = open_source(hf_dir)
+    if source.kind != "hf":
+        raise ConfigError(f"{hf_dir} is not a Hugging Face model directory")
+    dtype = source.hf_config.get("torch_dtype") or source.hf_config.get("dtype") or "float32"
+    inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)), tp, pp,
+                     precision=precision or PRECISION.get(dtype, "fp32"), device=backend)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    grouped = False
     try:
         if args.command == "hf-to-mcore":
             from ray_ppu.devices import resolve
@@ -86,9 +104,11 @@ def main(argv=None) -> int:
                 backend = resolve(args.device)
             except RuntimeError as err:  # ppu asked for where torch.cuda sees no device
                 raise ConfigError(str(err)) from None
+            check_layout(args.hf, args.tp, args.pp, args.precision, backend)
             with process_group(backend):
                 import torch.distributed as dist
 
+                grouped = True  # a problem from here on may be one rank's own
                 summary = to_mcore(args.hf, args.out, args.tp, args.pp, args.precision,
                                    backend)
                 if dist.get_rank() != 0:
@@ -101,8 +121,10 @@ def main(argv=None) -> int:
             if not summary["tokenizer"]:
                 print("note: no tokenizer files copied (pass --tokenizer DIR)", file=sys.stderr)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        if grouped:  # in the process group: maybe this rank's own problem
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return report_before_group(err)
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ray_ppu.config.loader import ConfigError  # noqa: E402
+from ray_ppu.errors import report_before_group  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    """1. Open the checkpoint (format, model config) and the tokenizer: errors before any
-       process group or model exists.
+    """1. Open the checkpoint (format, model config) and the tokenizer, and check the layout
+       against the model: errors before any process group or model exists.
     2. The process group (torchrun's, or one process), the model at TP × PP, its weights.
     3. Greedy decoding; rank 0 prints the continuation and dumps the logits.
     """
@@ -78,17 +79,19 @@ def main(argv=None) -> int:
             raise ConfigError(f"prompt token ids {prompt[:8]}…: expected 1 or more ids below "
                               f"vocab_size {source.model.vocab_size}")
         backend = devices.resolve(args.device)
+        precision = args.precision or ("bf16" if backend == "ppu" else "fp32")
+        # The layout against the model now, for the world the process group will have
+        # (torchrun's WORLD_SIZE, else one process): not on every rank after joining it.
+        cfg, plan = inference.inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)),
+                                               args.tp, args.pp, precision=precision,
+                                               device=backend)
     except (ConfigError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    precision = args.precision or ("bf16" if backend == "ppu" else "fp32")
+        return report_before_group(err)
     stop = (tokenizer.eod,) if tokenizer is not None else ()
 
     import torch.distributed as dist
 
     with parallel.process_group(backend):
-        cfg, plan = inference.inference_config(source.model, dist.get_world_size(), args.tp,
-                                               args.pp, precision=precision, device=backend)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         with inference.built_model(cfg, plan, backend, local_rank) as chunks:
             inference.load_weights(chunks, source, cfg, plan)

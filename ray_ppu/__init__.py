@@ -1,0 +1,5 @@
+"""ray_ppu: Megatron-Core worker groups placed on PPU clusters by Ray Train."""
+
+from ray_ppu import quiet as _quiet
+
+_quiet.install()

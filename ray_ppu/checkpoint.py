@@ -14,20 +14,19 @@ with ``megatron.core.dist_checkpointing`` (torch_dist format):
 ``ray_ppu_meta.json`` (:class:`Meta`) is written last, by rank 0, after every rank has finished
 writing: a directory without it is an interrupted save and is never loaded.
 
-Where a run starts (the one rule both sides use)
-------------------------------------------------
+Where a run starts (the one rule)
+--------------------------------
 :func:`resume_point` is the only place that decides: the latest complete checkpoint in the
-run's save root (:func:`save_root`), else ``checkpoint.load``, else nothing. The Ray Data
-stream factories call it through :func:`stream_start` (in the Ray Train controller, at every
-(re)start of the worker group) and record their choice, with the launch's token, in
-``stream_start.json``; the workers of that group call :func:`resume_point` again (nothing writes
-checkpoints between the two: the previous group is gone, the new one has not saved yet) and
-:func:`check_stream_start` fails loudly unless it is the same checkpoint and iteration. After
+run's save root (:func:`save_root`), else ``checkpoint.load``, else nothing. The driver calls it
+to log where the run starts and to have the readers read the first iterations ahead; every
+worker of every (re)started group calls it again and starts its data streams there (nothing
+writes checkpoints in between: the previous group is gone, the new one has not saved yet), and
+rank 0 records the choice in ``stream_start.json`` (:func:`record_stream_start`). After
 loading, the ``iteration`` stored inside the checkpoint is checked against its meta file
-(:func:`load`) and against the stream's first step (``worker.run``). The file system is the source of truth rather than
-``ray.train.get_checkpoint()``: the controller cannot see the latter when it builds the
-streams, and the two differ when a run died between writing a checkpoint and Ray registering
-it (then Ray's is older) or when Ray's latest is incomplete (then ours is older).
+(:func:`load`) and against the stream's first step (``worker.run``). The file system is the
+source of truth rather than ``ray.train.get_checkpoint()``: the two differ when a run died
+between writing a checkpoint and Ray registering it (then Ray's is older) or when Ray's latest
+is incomplete (then ours is older).
 
 No Ray here: the launcher reports checkpoints to Ray Train; under torchrun :func:`prune` keeps
 the last ``keep_last``. Megatron-Core 0.16.1 problems on its torch-Adam (no Apex/TE),
@@ -317,55 +316,20 @@ def origin(cfg: RunConfig, resume: Optional[ResumePoint]) -> dict:
     return {}
 
 
-def stream_start(cfg: RunConfig, eval_interval: int, eval_iters: int, token: str,
-                 split: str) -> int:
-    """First step of the ``split`` stream ("train" or "valid") for the starting checkpoint.
-
-    Called by Ray Train's controller (a ``start=`` callable of ``steps_dataset``) at every
-    (re)start of the worker group; records the choice in ``<save root>/stream_start.json`` with
-    the launch's ``token`` so the workers can check they load the same checkpoint.
-    """
-    resume = resume_point(cfg)
+def record_stream_start(cfg: RunConfig, token: str, resume: Optional[ResumePoint],
+                        eval_interval: int, eval_iters: int) -> dict:
+    """Write down where a (re)started group's data streams begin: ``<save root>/stream_start.json``
+    with the launch's ``token``, the checkpoint, and the first step of each split. Rank 0 of
+    every group writes it; the fault tests and ``benchmark.py recovery`` read it."""
     iteration = resume.iteration if resume else 0
-    start = iteration if split == "train" else valid_start(iteration, eval_interval, eval_iters)
+    record = {"token": token, "iteration": iteration,
+              "checkpoint": resume.path if resume else None,
+              "weights_only": bool(resume and resume.weights_only), "time": time.time(),
+              "train": iteration, "valid": valid_start(iteration, eval_interval, eval_iters)}
     root = save_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
-    record_path = root / STREAM_START_FILE
-    try:
-        record = json.loads(record_path.read_text())
-        if record.get("token") != token or record.get("iteration") != iteration:
-            record = {}
-    except (FileNotFoundError, json.JSONDecodeError):
-        record = {}
-    record.update(token=token, iteration=iteration, checkpoint=resume.path if resume else None,
-                  weights_only=bool(resume and resume.weights_only), time=time.time())
-    record[split] = start
-    atomic_write_text(record_path, json.dumps(record, indent=2))
-    return start
-
-
-def check_stream_start(cfg: RunConfig, token: str, resume: Optional[ResumePoint]) -> int:
-    """The train stream's first step as the factory chose it; raises unless ``resume`` (this
-    worker's own :func:`resume_point`) is the checkpoint the factory started the stream from."""
-    record_path = save_root(cfg) / STREAM_START_FILE
-    try:
-        record = json.loads(record_path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{record_path} is missing: the data streams were not built from "
-                              f"this run's checkpoints (is output.dir on storage every node "
-                              f"shares?)") from None
-    if record.get("token") != token or "train" not in record:
-        raise CheckpointError(f"{record_path} belongs to another launch (token "
-                              f"{record.get('token')} != {token})")
-    ours = (resume.path if resume else None, resume.iteration if resume else 0)
-    theirs = (record["checkpoint"], record["iteration"])
-    if ours != theirs or record["train"] != ours[1]:
-        raise CheckpointError(
-            f"the data stream starts at iteration {record['train']} (checkpoint "
-            f"{record['checkpoint']}) but this worker found checkpoint {ours[0]} at iteration "
-            f"{ours[1]}: the checkpoints changed between building the streams and starting the "
-            f"workers; refusing to train on misaligned data")
-    return record["train"]
+    atomic_write_text(root / STREAM_START_FILE, json.dumps(record, indent=2))
+    return record
 
 
 def remove_incomplete(root: str | Path) -> list[Path]:

@@ -1,15 +1,16 @@
-"""The driver side: Ray cluster, preflight checks, and the Ray Train TorchTrainer.
+"""The driver side: Ray cluster, preflight checks, data preparation, readers, and the Ray
+Train TorchTrainer.
 
-With ``ray_ppu.ray_worker`` and ``ray_ppu.data.ray_stream``, the only modules that import
-Ray. Workers run
-:func:`ray_ppu.ray_worker.train_worker`, which adapts Ray Train to the Ray-free
-:func:`ray_ppu.worker.run`.
+Workers run :func:`ray_ppu.ray_worker.train_worker`, which adapts Ray Train to the Ray-free
+:func:`ray_ppu.worker.run`. What the driver does before the group starts overlaps where it
+can: the preflight tasks, the index build and the readers' process start run at once, and the
+readers read the first iterations while the workers import and build the model. Each phase's
+duration reaches rank 0, which logs them once at the first iteration (``start: …``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -18,6 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Optional
 
 import ray
 import ray.train
@@ -27,9 +29,9 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from ray_ppu import checkpoint, devices, ray_worker, recovery
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.data import idxmap, sft_store
-from ray_ppu.data.order import valid_steps
-from ray_ppu.data.ray_stream import IdxmapDataConfig, steps_dataset
+from ray_ppu.data import idxmap, reader_pool, sft_store
+from ray_ppu.data.order import valid_start, valid_steps
+from ray_ppu.errors import remote_cause
 from ray_ppu.plan import ParallelDims, Plan
 
 log = logging.getLogger("ray_ppu")
@@ -61,14 +63,10 @@ def connect(cfg: RunConfig) -> bool:
     os.environ.setdefault("RAY_custom_unit_instance_resources", UNIT_INSTANCE_RESOURCES)
     c = cfg.cluster
     ppus = c.simulated_ppus or int(c.num_workers * c.ppu_per_worker)
-    # Logical CPUs: the workers' own plus every reader actor's (reading ranks × splits ×
-    # reader_actors × reader_cpus) plus one for Ray Data's own tasks; the OS shares the cores.
-    # Too few and a reader actor waits for a CPU forever while its rank waits for data.
-    p, d = cfg.parallel, cfg.data
-    dims = ParallelDims(c.num_workers, p.tensor_model_parallel_size,
-                        p.pipeline_model_parallel_size, p.context_parallel_size)
-    splits = 2 if cfg.training.eval_iters else 1
-    readers = len(list(dims.data_ranks())) * splits * d.reader_actors * d.reader_cpus
+    # Logical CPUs: the workers' own plus the readers' (one node: readers_per_node ×
+    # reader_cpus) plus one for Ray's own tasks (preflight, index, SFT tokenizing); the OS
+    # shares the cores. Too few and a reader waits for a CPU forever while its ranks wait.
+    readers = _readers_per_node(cfg, ppus) * cfg.data.reader_cpus
     cpus = max(os.cpu_count() or 1, math.ceil(c.num_workers * c.cpus_per_worker + readers) + 1)
     # address="local": a new Ray even when `ray start` left a cluster on this machine
     ray.init(address="local", num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
@@ -97,6 +95,18 @@ def check_capacity(cfg: RunConfig) -> None:
 @ray.remote(num_cpus=1)
 def _prepare_index(spec: idxmap.SampleSpec) -> dict[str, int]:
     return idxmap.prepare(spec)
+
+
+def _readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:
+    """Readers each node starts: ``data.reader_actors``, or sized by the node's data ranks
+    (the workers one node holds × the fraction of ranks that read data)."""
+    c, p = cfg.cluster, cfg.parallel
+    dims = ParallelDims(c.num_workers, p.tensor_model_parallel_size,
+                        p.pipeline_model_parallel_size, p.context_parallel_size)
+    fraction = len(list(dims.data_ranks())) / max(1, dims.world_size)
+    workers = min(c.num_workers, int(ppus_per_node // c.ppu_per_worker) if c.ppu_per_worker
+                  else c.num_workers)
+    return reader_pool.readers_per_node(cfg.data.reader_actors, math.ceil(workers * fraction))
 
 
 class FailureRecorder(ray.train.UserCallback):
@@ -135,22 +145,17 @@ class _GracefulStop:
         timer.start()
 
 
-def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
-                  spec: idxmap.SampleSpec, token: str = "") -> TorchTrainer:
-    """TorchTrainer with one worker per PPU, the idxmap stream, checkpoints and the failure
-    policy. ``token`` identifies this launch in the stream-start record (checkpoint.py)."""
+def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers: dict,
+                  token: str = "", phases: Optional[dict] = None) -> TorchTrainer:
+    """TorchTrainer with one worker per PPU, checkpoints and the failure policy. ``readers``:
+    how the workers reach this launch's readers (:func:`_start_readers`); ``token``
+    identifies this launch; ``phases``: the driver's start-up figures, for rank 0's log."""
     c = cfg.cluster
     root = checkpoint.save_root(cfg)
-    # The streams start where the checkpoint the workers will load ends: Ray Train calls these
-    # factories at every (re)start of the worker group, and they read it from disk then.
-    start = functools.partial(checkpoint.stream_start, cfg, plan.eval_interval, plan.eval_iters,
-                              token)
-    datasets = {"train": steps_dataset(plan.train_iters, start=functools.partial(start, "train"))}
-    if plan.eval_iters:
-        datasets["valid"] = steps_dataset(valid_steps(plan), start=functools.partial(start, "valid"))
     return TorchTrainer(
         ray_worker.train_worker,
-        train_loop_config={"cfg": cfg, "plan": plan, "backend": backend, "token": token},
+        train_loop_config={"cfg": cfg, "plan": plan, "backend": backend, "token": token,
+                           "readers": readers, "phases": phases or {}},
         # Explicit: TorchConfig(backend=None) would pick gloo for a custom resource like PPU.
         torch_config=TorchConfig(backend=devices.dist_backend(backend)),
         scaling_config=ScalingConfig(
@@ -167,17 +172,6 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
             callbacks=[FailureRecorder(root, token)],
         ),
-        datasets=datasets,
-        dataset_config=IdxmapDataConfig(
-            spec,
-            plan.tensor_model_parallel_size,
-            plan.pipeline_model_parallel_size,
-            plan.context_parallel_size,
-            plan.global_batch_size,
-            plan.micro_batch_size,
-            cfg.data.reader_cpus,
-            cfg.data.reader_actors,
-        ),
     )
 
 
@@ -188,10 +182,12 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     2. Checkpoint settings; say where the run starts (its own latest complete checkpoint,
        ``checkpoint.load``, or scratch). The workers decide again at every (re)start.
     3. Connect to the cluster (or start a local Ray with simulated PPUs); enough PPU?
-       Preflight on every PPU node (:mod:`ray_ppu.preflight`): output, index cache, data and
-       checkpoint paths, Transformer Engine and the device, before anything is placed.
-    4. Build Megatron's sample indices once, in one Ray task, into the shared cache.
-    5. TorchTrainer.fit(): one worker per PPU, each joining the Megatron worker group.
+    4. At once: the preflight on every PPU node (:mod:`ray_ppu.preflight`: output, index
+       cache, data and checkpoint paths, Transformer Engine and the device), Megatron's sample
+       indices built once in one Ray task into the shared cache (skipped when the cache
+       already holds them), and the readers' processes starting on every PPU node.
+    5. The readers read the first iterations of both splits; TorchTrainer.fit() meanwhile:
+       one worker per PPU, each joining the Megatron worker group.
     6. SIGTERM (``ray job stop``): the workers save after their iteration and stop; Ctrl-C,
        a second signal or ``checkpoint.stop_timeout_s`` later: Ray Train aborts them.
     """
@@ -201,8 +197,10 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         for info in idxmap.check(spec):
             log.info("corpus %s: %d documents, %.4g tokens (%s)", info.prefix, info.documents,
                      info.tokens, info.dtype)
-    cfg = _starting_point(cfg, plan)
-    started = connect(cfg)
+    cfg, resume = _starting_point(cfg, plan)
+    phases: dict[str, float] = {}
+    with _timed(phases, "ray"):
+        started = connect(cfg)
     # ray job stop sends SIGTERM: the workers save and stop (then, or before training starts,
     # it is Ctrl-C: Ray Train's abort of the worker group). Only the main thread can set
     # handlers (a launch from another thread, as in tests, keeps the default).
@@ -211,28 +209,17 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
                              cfg.checkpoint.stop_timeout_s)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, graceful) if main else None
+    readers: list = []
     try:
         check_capacity(cfg)
-        from ray_ppu import preflight  # (it imports this module's ClusterError)
-
-        backend = _backend(preflight.check(cfg))
-        if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
-            rows = _as_config_error(sft_store.prepare, spec)
-            log.info("SFT rows: %d train (%d samples needed: %.2f epochs), %d validation",
-                     rows["train"], plan.train_samples, plan.train_samples / rows["train"],
-                     rows["valid"])
-        else:
-            samples = _prepare_indices(spec)
-            log.info("index cache %s: %d training samples for %d needed, %d validation for %d",
-                     spec.index_cache_dir, samples["train"], plan.train_samples,
-                     samples["valid"], plan.valid_samples)
-        ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
+        backend, readers, reader_info = _prepare(cfg, plan, spec, token, resume, phases)
         # Ray Train passes this from the driver to its controller: how long a new worker group
         # may take to start before the controller decides again (elastic: after a node loss
         # it may first try the old size while Ray still counts the lost node).
         if _START_TIMEOUT_ENV not in _ENV_AT_IMPORT:  # the user's own setting wins
             os.environ[_START_TIMEOUT_ENV] = f"{cfg.cluster.group_start_timeout_s:g}"
-        trainer = build_trainer(cfg, plan, backend, spec, token=token)
+        phases["fit_called_at"] = time.time()  # the group's start is measured from here
+        trainer = build_trainer(cfg, plan, backend, reader_info, token=token, phases=phases)
         graceful.training = True
         try:
             result = trainer.fit()
@@ -255,13 +242,98 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+        for reader in readers:
+            ray.kill(reader)
         if started:
-            ray.shutdown()
+            shutdown()
 
 
-def _starting_point(cfg: RunConfig, plan: Plan) -> RunConfig:
+def shutdown() -> None:
+    """``ray.shutdown()`` once Ray Train's helper actors have gone: its placement-group
+    cleaner (a detached actor the controller stops as it exits) would otherwise print a
+    "Timed out while waiting for GCS" traceback when the GCS goes first."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and _alive_train_helpers():
+        time.sleep(0.1)
+    ray.shutdown()
+
+
+def _alive_train_helpers() -> bool:
+    try:
+        from ray.util.state import list_actors
+
+        alive = list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    except Exception:  # no state API (no dashboard): nothing to wait for
+        return False
+    return any(a.class_name == "PlacementGroupCleaner" for a in alive)
+
+
+class _timed:
+    """``with _timed(phases, "index"):`` adds the block's wall time to ``phases["index"]``."""
+
+    def __init__(self, phases: dict, name: str) -> None:
+        self.phases, self.name = phases, name
+
+    def __enter__(self):
+        self.started = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.phases[self.name] = self.phases.get(self.name, 0.0) + time.perf_counter() - self.started
+
+
+def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
+             resume: Optional[checkpoint.ResumePoint], phases: dict):
+    """The preflight, the data (indices or SFT rows) and the readers, overlapped; returns the
+    device backend, the reader handles (the driver owns them) and what the workers need to
+    reach them."""
+    from ray_ppu import preflight
+
+    sft = isinstance(spec, sft_store.SFTSpec)
+    index = None
+    started = time.perf_counter()
+    if not sft and idxmap.prepared(spec) is None:  # a cache hit needs no Megatron at all
+        index = _prepare_index.remote(spec)
+    nodes = preflight.ppu_nodes(cfg.cluster.resource_name)
+    per_node = _readers_per_node(cfg, max((n["Resources"][cfg.cluster.resource_name]
+                                           for n in nodes), default=0))
+    source = {"sft": spec} if sft else {"manifest": str(idxmap.manifest(spec))}
+    reader_info = {"source": source, "token": token, "per_node": per_node,
+                   "cpus": cfg.data.reader_cpus}
+    with _timed(phases, "preflight"):
+        backend = _backend(preflight.check(cfg))
+    with _timed(phases, "index"):
+        if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
+            rows = _as_config_error(sft_store.prepare, spec)
+            log.info("SFT rows: %d train (%d samples needed: %.2f epochs), %d validation",
+                     rows["train"], plan.train_samples, plan.train_samples / rows["train"],
+                     rows["valid"])
+        else:
+            samples = _prepare_indices(index, spec)
+            log.info("index cache %s: %d training samples for %d needed, %d validation for %d",
+                     spec.index_cache_dir, samples["train"], plan.train_samples,
+                     samples["valid"], plan.valid_samples)
+    phases["index"] = time.perf_counter() - started - phases["preflight"]  # what it added
+    ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
+    iteration = resume.iteration if resume else 0
+    starts = {"train": (iteration, plan.train_iters)}
+    if plan.eval_iters:
+        starts["valid"] = (valid_start(iteration, plan.eval_interval, plan.eval_iters),
+                           valid_steps(plan))
+    ahead = reader_pool.window(cfg.data.prefetch_batches, plan.num_microbatches)
+    first = reader_pool.first_requests(
+        [dp for _, dp in plan.dims.data_ranks()], plan.data_parallel_size,
+        plan.global_batch_size, plan.micro_batch_size, starts, ahead)
+    readers = reader_pool.start(source, token, [n["NodeID"] for n in nodes], per_node,
+                                cfg.data.reader_cpus, first)
+    log.info("readers: %d per PPU node on %d node(s), reading the first %d iteration(s) of "
+             "%s ahead", per_node, len(nodes), ahead, " and ".join(starts))
+    return backend, readers, reader_info
+
+
+def _starting_point(cfg: RunConfig, plan: Plan):
     """Check the checkpoint settings and log where the run starts; returns ``cfg`` with
-    ``checkpoint.load`` made absolute (the controller and the workers run elsewhere)."""
+    ``checkpoint.load`` made absolute (the controller and the workers run elsewhere), and the
+    resume point (None: from scratch)."""
     checkpoint.check_config(cfg)
     if cfg.checkpoint.load:
         load = str(Path(cfg.checkpoint.load).expanduser().resolve())
@@ -280,7 +352,7 @@ def _starting_point(cfg: RunConfig, plan: Plan) -> RunConfig:
             log.warning("the run in %s is already complete (iteration %d of %d): nothing to "
                         "train; use another output.dir or raise the training length",
                         checkpoint.save_root(cfg), resume.iteration, plan.train_iters)
-    return cfg
+    return cfg, resume
 
 
 def _as_config_error(fn, *args):
@@ -293,15 +365,19 @@ def _as_config_error(fn, *args):
         raise ConfigError(str(err)) from None
 
 
-def _prepare_indices(spec: idxmap.SampleSpec) -> dict:
-    """Megatron's indices built by one Ray task (never by every rank at once), timed."""
+def _prepare_indices(index, spec: idxmap.SampleSpec) -> dict:
+    """Megatron's indices built by one Ray task (never by every rank at once), timed; ``index``:
+    that task, or None when the cache already holds them."""
+    if index is None:
+        log.info("Megatron sample indices found in %s", spec.index_cache_dir)
+        return idxmap.prepared(spec)
     start = time.perf_counter()
     try:
-        samples = ray.get(_prepare_index.remote(spec))
+        samples = ray.get(index)
     except ray.exceptions.RayTaskError as err:
-        cause = err.as_instanceof_cause()
-        if isinstance(cause, ValueError):  # the corpus cannot give what the run asks
-            raise ConfigError(str(cause.args[0] if cause.args else cause)) from None
+        cause = remote_cause(err)
+        if cause is not None:  # the corpus cannot give what the run asks
+            raise ConfigError(str(cause)) from None
         raise
     log.info("Megatron sample indices ready in %.1f s", time.perf_counter() - start)
     return samples

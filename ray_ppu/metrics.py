@@ -35,7 +35,7 @@ def validation_line(m: dict) -> str:
 
 
 def event_line(m: dict) -> str:
-    """Log line of an event row (``event``: checkpoint, checkpoint_failed, interrupted,
+    """Log line of an event row (``event``: start, checkpoint, checkpoint_failed, interrupted,
     restart)."""
     from ray_ppu.recovery import restart_line
 
@@ -47,6 +47,8 @@ def event_line(m: dict) -> str:
     if m["event"] == "interrupted":
         return (f"{m['reason']}: saving a checkpoint at iteration {m['iteration']}"
                 + (", then stopping" if m["reason"] == "job stop" else ", training goes on"))
+    if m["event"] == "start":  # once, at the first iteration of a run
+        return "start: " + " | ".join(f"{k} {v:.1f} s" for k, v in m["phases_s"].items())
     if m["event"] == "checkpoint_failed":
         return (f"{m['error']} ({m['checkpoint_failures']} failed save(s) so far); training "
                 f"goes on, the run resumes from the previous complete checkpoint if it fails")
@@ -80,7 +82,7 @@ class MetricsWriter:
                     self._tb.add_scalar(f"{group}/{key.removeprefix('valid_')}", value, step)
         if event:
             line = event_line(metrics)
-            (log.warning if event != "checkpoint" else log.info)(line)
+            (log.info if event in ("checkpoint", "start") else log.warning)(line)
         else:
             log.info(validation_line(metrics) if is_valid else progress_line(metrics))
 

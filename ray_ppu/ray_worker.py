@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from ray_ppu import checkpoint, devices, recovery
 from ray_ppu.config.schema import RunConfig
+from ray_ppu.data import reader_pool
+from ray_ppu.data.order import valid_start, valid_steps
 from ray_ppu.plan import Plan, plan_for_world
 from ray_ppu.ray_metrics import RayMetrics
 
@@ -74,9 +76,8 @@ def _quiet_worker_logs() -> None:
     # Ray Train logs every report at INFO under its file's path as the logger name.
     for name in ("ray.train", "megatron.core", train_context.__file__):
         logging.getLogger(name).setLevel(logging.WARNING)
-    # Megatron's "Apex/TE not installed, falling back" and torch's c10d deprecation notices
-    # repeat on every rank; they say nothing the run can act on.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    # torch's c10d deprecation notices repeat on every rank; they say nothing the run can act
+    # on (Megatron's import-time notices: ray_ppu.quiet).
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed\.")
 
 
@@ -85,10 +86,12 @@ def train_worker(payload: dict) -> dict:
 
     1. The group's plan: an elastic group can be any size (spares past the last usable
        replica leave the process group and only join checkpoint reports).
-    2. Where this group starts (the checkpoint the data streams were built from).
-    3. This rank's data streams, threads, PPU id; stop and drain notices.
+    2. Where this group starts (:func:`ray_ppu.checkpoint.resume_point`).
+    3. This rank's data streams from its node's readers, threads, PPU id; stop and drain
+       notices; the driver's start-up phases, for rank 0's ``start:`` line.
     4. Train; tell the spares when done.
     """
+    group_started = time.time()
     from ray_ppu import worker
 
     _quiet_worker_logs()
@@ -107,23 +110,17 @@ def train_worker(payload: dict) -> dict:
                     plan.pipeline_model_parallel_size, plan.data_parallel_size, plan.world_size,
                     plan.num_microbatches, plan.spare_workers)
 
-    def stream(split: str):  # None on ranks that read no data
-        shard = ray.train.get_dataset_shard(split)
-        if shard is None:
-            return None
-        return iter(shard.iter_batches(batch_size=plan.micro_batch_size, batch_format="numpy",
-                                       prefetch_batches=cfg.data.prefetch_batches))
-
-    # Where this group starts: the decision the dataset factories made moments ago in the
-    # controller, made again here from the same files, and checked against their record
-    # (ray_ppu.checkpoint's docstring: the two must agree or the data would be misaligned).
+    # Where this group starts: every rank asks the same files (ray_ppu.checkpoint's docstring)
+    # and streams its data from there; rank 0 records it.
     resume = checkpoint.resume_point(cfg)
-    start_iteration = checkpoint.check_stream_start(cfg, token, resume)
+    start_iteration = resume.iteration if resume else 0
+    if context.get_world_rank() == 0:
+        checkpoint.record_stream_start(cfg, token, resume, plan.eval_interval, plan.eval_iters)
     _check_against_ray(cfg, resume)
     if plan.spare_workers and not _leave_spares_out(plan.world_size):
         return _idle_as_spare(cfg, token, start_iteration)
-    batches = stream("train")
-    valid_batches = stream("valid") if plan.eval_iters else None
+    batches, valid_batches = _streams(payload["readers"], cfg, plan, context.get_world_rank(),
+                                      start_iteration)
     # As many compute threads as CPUs Ray reserved for this worker (torchrun sets
     # OMP_NUM_THREADS=1 likewise); torch's default, every core, oversubscribes the node.
     torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker)))
@@ -140,15 +137,36 @@ def train_worker(payload: dict) -> dict:
                                   and not plan.spare_workers)
     exported = (RayMetrics(checkpoint.run_name(cfg), context.get_world_rank()).export
                 if cfg.output.ray_metrics else None)
+    phases = dict(payload.get("phases") or {})
+    if "fit_called_at" in phases:  # controller, placement, worker processes, imports
+        phases["group"] = group_started - phases.pop("fit_called_at")
     final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
                        resume, on_checkpoint=_report_checkpoint,
                        failures=recovery.failures(root, token), interruption=interruption,
-                       on_metrics=exported)
+                       on_metrics=exported, startup=phases)
     if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
         (root / f"{_FINISHED}{token}").touch()
     return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}
 
 
+
+
+def _streams(readers: dict, cfg: RunConfig, plan: Plan, rank: int, start_iteration: int):
+    """This rank's train and validation streams from its node's readers (None, None on ranks
+    that read no data: they get their batches by broadcast in the TP group)."""
+    dp_rank = dict(plan.dims.data_ranks()).get(rank)
+    if dp_rank is None:
+        return None, None
+    pool = reader_pool.node_readers(readers["source"], readers["token"], readers["per_node"],
+                                    readers["cpus"])
+    window = reader_pool.window(cfg.data.prefetch_batches, plan.num_microbatches)
+    args = (dp_rank, plan.data_parallel_size, plan.global_batch_size, plan.micro_batch_size,
+            window)
+    train = reader_pool.RankStream(pool, "train", start_iteration, plan.train_iters, *args)
+    if not plan.eval_iters:
+        return train, None
+    first = valid_start(start_iteration, plan.eval_interval, plan.eval_iters)
+    return train, reader_pool.RankStream(pool, "valid", first, valid_steps(plan), *args)
 
 
 class _Interruptions:

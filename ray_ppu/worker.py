@@ -35,6 +35,7 @@ def run(
     failures: Sequence[recovery.Failure] = (),
     interruption: Optional[Callable[[int], Optional[str]]] = None,
     on_metrics: Optional[Callable[[dict], None]] = None,
+    startup: Optional[dict] = None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
@@ -47,6 +48,9 @@ def run(
     ``interruption(iteration)``: asked after every iteration on every rank, the same answer on
     all: None, ``"save"`` (a node is being drained) or ``"stop"`` (the job is being stopped).
     ``on_metrics(row)``: every logged row, on every rank (Ray's metrics export).
+    ``startup``: seconds per start-up phase so far (the launcher's); rank 0 of a first group
+    adds the model build, the first batch's wait and the first step, and logs them once at the
+    first iteration (a ``start`` row in metrics.jsonl and a ``start: …`` line).
 
     1. Bind the device (PPU id, or the CPU shim) for this thread.
     2. Megatron parallel groups and seeds on the existing process group.
@@ -115,8 +119,14 @@ def run(
             elif rank0:
                 checkpoint.prune(root, cfg.checkpoint.keep_last)
 
+    timeline = {"entered": time.perf_counter()}
+
     def on_iteration(done: int, sample_ids: Optional[list]) -> Optional[str]:
         nonlocal restart_pending
+        if "first_step_done" not in timeline:
+            timeline["first_step_done"] = time.perf_counter()
+            if writer is not None and startup is not None and not failures:
+                _log_startup(writer, done, startup, timeline, batches)
         saving(saver.poll)  # background saves whose writers finished
         if samples is not None and sample_ids is not None:
             samples.write(done, sample_ids)
@@ -162,6 +172,7 @@ def run(
 
             if rank0:  # after the load: the resume decision was made before this group began
                 checkpoint.remove_incomplete(root)
+            timeline["model_ready"] = time.perf_counter()
 
             def on_save(iteration: int, metrics: dict) -> None:
                 tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
@@ -181,3 +192,14 @@ def run(
             for out in (writer, samples):
                 if out is not None:
                     out.close()
+
+
+def _log_startup(writer: MetricsWriter, iteration: int, startup: dict, timeline: dict,
+                 batches) -> None:
+    """The ``start`` row and its ``start:`` line: each start-up phase once, in the order they
+    ran (the first step includes the wait for the first batch)."""
+    phases = {**startup,
+              "model": timeline["model_ready"] - timeline["entered"],
+              "first batch": getattr(batches, "first_wait_s", None) or 0.0,
+              "first step": timeline["first_step_done"] - timeline["model_ready"]}
+    writer.write({"event": "start", "iteration": iteration, "phases_s": phases})

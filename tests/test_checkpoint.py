@@ -110,23 +110,20 @@ def test_resume_point_rules(tmp_path, caplog):
         checkpoint.resume_point(_cfg(tmp_path / "y", f"checkpoint.load={root / 'iter_0000016'}"))
 
 
-def test_workers_refuse_a_checkpoint_the_streams_did_not_start_from(tmp_path):
+def test_stream_start_is_recorded_from_the_resume_point(tmp_path):
+    """The workers start their streams where resume_point says and record it: train from the
+    checkpoint's iteration, validation from the next unread batch (one pass of eval_iters=1
+    every 4 iterations so far)."""
+    import json
+
     cfg = _cfg(tmp_path)
     root = checkpoint.save_root(cfg)
+    assert checkpoint.record_stream_start(cfg, "launch-1", None, 4, 1)["train"] == 0
     _fake_checkpoint(root / "iter_0000004", 4)
-    # The factories (Ray Train's controller): train from step 4, validation from batch 1
-    # (one pass of eval_iters=1 every 4 iterations so far).
-    assert checkpoint.stream_start(cfg, 4, 1, "launch-1", "train") == 4
-    assert checkpoint.stream_start(cfg, 4, 1, "launch-1", "valid") == 1
-    # The workers of that group find the same checkpoint: they may start at 4.
-    assert checkpoint.check_stream_start(cfg, "launch-1", checkpoint.resume_point(cfg)) == 4
-    # Anything else is an error: a record from another launch, or a checkpoint that appeared
-    # after the streams were built (the data would not match the weights).
-    with pytest.raises(checkpoint.CheckpointError, match="another launch"):
-        checkpoint.check_stream_start(cfg, "launch-2", checkpoint.resume_point(cfg))
-    _fake_checkpoint(root / "iter_0000008", 8)
-    with pytest.raises(checkpoint.CheckpointError, match="refusing to train on misaligned data"):
-        checkpoint.check_stream_start(cfg, "launch-1", checkpoint.resume_point(cfg))
+    record = checkpoint.record_stream_start(cfg, "launch-1", checkpoint.resume_point(cfg), 4, 1)
+    assert (record["train"], record["valid"], record["iteration"]) == (4, 1, 4)
+    assert record["checkpoint"].endswith("iter_0000004")
+    assert json.loads((root / checkpoint.STREAM_START_FILE).read_text()) == record
 
 
 @pytest.mark.parametrize("override, message", [

@@ -1,4 +1,4 @@
-"""Idxmap samples: Megatron's order (datasets, blends, epochs, sampler), and the Ray Data stream."""
+"""Idxmap samples: Megatron's order (datasets, blends, epochs, sampler)."""
 
 import numpy as np
 import pytest
@@ -160,25 +160,3 @@ def test_empty_validation_split_is_caught_before_megatron_hangs(corpus, tmp_path
                              "split": "1000,1,0"})
     with pytest.raises(CorpusError, match=r"leaves the valid split none of its \d+ documents"):
         idxmap.prepare(s)
-
-
-def test_ray_data_stream_delivers_the_local_order(ray_cluster, corpus, tmp_path):
-    """Through real Ray Data: TP=2 × DP=2 on 4 workers; TP rank 0 of each DP group reads,
-    train and validation streams, resumed at iteration 1."""
-    from ray_ppu.data.ray_stream import IdxmapDataConfig, steps_dataset
-
-    train_iters, gbs, mbs = 4, 8, 2
-    s = spec(corpus, tmp_path, train_samples=train_iters * gbs, valid_samples=2 * gbs)
-    idxmap.prepare(s)
-    config = IdxmapDataConfig(s, tp=2, pp=1, cp=1, global_batch_size=gbs, micro_batch_size=mbs)
-    datasets = {"train": steps_dataset(train_iters, lambda: 1)(), "valid": steps_dataset(2)()}
-    per_rank = config.configure(datasets, world_size=4)
-    assert [it["train"] is None for it in per_rank] == [False, True, False, True]
-    for rank, dp_rank in ((0, 0), (2, 1)):
-        for split, start, stop in (("train", 1, train_iters), ("valid", 0, 2)):
-            streamed = list(per_rank[rank][split].iter_batches(batch_size=mbs, batch_format="numpy"))
-            expected = list(local.microbatches(s, dp_rank, 2, gbs, mbs, start, stop, split))
-            assert len(streamed) == len(expected) == (stop - start) * gbs // 2 // mbs
-            for got, want in zip(streamed, expected):
-                for key in idxmap.SAMPLE_KEYS:
-                    assert np.array_equal(got[key], want[key]), (rank, split, key)

@@ -229,12 +229,14 @@ class DataConfig:
     eod_token_id: int = 151_643
     """End-of-document token appended between documents (Qwen2: <|endoftext|> = 151643)."""
     reader_cpus: float = 0.5
-    """Logical CPUs each Ray Data reader actor reserves."""
-    reader_actors: int = 2
-    """Ray Data reader actors per data-reading rank and split: they read successive iterations
-    in parallel; Ray Data hands them out in order."""
+    """Logical CPUs each reader actor reserves (ray_ppu.data.reader_pool)."""
+    reader_actors: int = 0
+    """Reader actors per PPU node, serving every data rank of the node and both splits; 0: one
+    per 8 data-reading ranks of a node (a reader delivers far more than 8 ranks consume:
+    ``benchmark.py data``)."""
     prefetch_batches: int = 4
-    """Microbatches each data-reading rank keeps in flight ahead of the training loop."""
+    """Microbatches each data-reading rank keeps requested ahead of the training loop (in whole
+    iterations, at least 2)."""
 
 
 @dataclass(frozen=True)

@@ -255,6 +255,18 @@ def prepare(spec: SampleSpec) -> dict[str, int]:
     return {split: 0 if ds is None else len(ds) for split, ds in built.items()}
 
 
+def prepared(spec: SampleSpec) -> Optional[dict[str, int]]:
+    """Samples per split when the cache already holds every index file of ``spec``'s manifest
+    (no Megatron import, no rebuild: a restart or a second launch); else None."""
+    try:
+        meta = json.loads(manifest(spec).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    if not all(Path(f).is_file() for f in sample_reader.index_files(meta)):
+        return None
+    return {split: 0 if e is None else e["samples"] for split, e in meta["splits"].items()}
+
+
 def manifest(spec: SampleSpec) -> Path:
     """The manifest of ``spec``'s cached indices (written by :func:`prepare`)."""
     return sample_reader.manifest_path(spec.index_cache_dir, dataclasses.asdict(spec))

@@ -11,18 +11,22 @@ it reads idxmap samples (:mod:`ray_ppu.data.order`): iteration *i* consumes glob
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from ray_ppu.errors import remote_cause
 
 log = logging.getLogger("ray_ppu")
 
@@ -86,23 +90,19 @@ def _write_split(spec: SFTSpec, split: str) -> dict:
 
     out = spec.split_dir(split)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
     ds, stats_fn = sft_dataset(list(spec.paths(split)), spec.tokenizer_dir, spec.seq_length,
                                spec.max_padding_length, spec.packing, spec.on_error)
-    files: dict = {}
-    shapes: dict = {}
-    rows = 0
+    tmp.mkdir(parents=True, exist_ok=True)  # after the inputs and tokenizer were checked
     try:
-        for batch in ds.iter_batches(batch_size=256, batch_format="numpy"):
-            for key, value in batch.items():
-                if key not in files:
-                    files[key] = open(tmp / f"{key}.bin", "wb")
-                    shapes[key] = (list(value.shape[1:]), value.dtype.str)
-                files[key].write(np.ascontiguousarray(value).tobytes())
-            rows += len(next(iter(batch.values())))
-    finally:
-        for f in files.values():
-            f.close()
+        with _ray_data_errors_unlogged():
+            shapes, rows = _write_columns(ds, tmp)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # no half-written split stays in the cache
+        # A bad record (on_error="fail") raised in a Ray Data actor: the user's error itself
+        cause = remote_cause(err)
+        if cause is not None:
+            raise cause from None
+        raise
     summary = stats_fn()
     meta = {"rows": rows, "columns": shapes, "summary": summary, "split": split,
             "paths": list(spec.paths(split))}
@@ -111,6 +111,38 @@ def _write_split(spec: SFTSpec, split: str) -> dict:
         return json.loads((out / META).read_text())
     tmp.rename(out)  # published whole: readers never see a half-written split
     return meta
+
+
+def _write_columns(ds, out: Path) -> tuple[dict, int]:
+    """Append every column of ``ds``'s rows to ``out/<column>.bin``; (shapes, rows)."""
+    files: dict = {}
+    shapes: dict = {}
+    rows = 0
+    try:
+        for batch in ds.iter_batches(batch_size=256, batch_format="numpy"):
+            for key, value in batch.items():
+                if key not in files:
+                    files[key] = open(out / f"{key}.bin", "wb")
+                    shapes[key] = (list(value.shape[1:]), value.dtype.str)
+                files[key].write(np.ascontiguousarray(value).tobytes())
+            rows += len(next(iter(batch.values())))
+    finally:
+        for f in files.values():
+            f.close()
+    return shapes, rows
+
+
+@contextlib.contextmanager
+def _ray_data_errors_unlogged():
+    """Ray Data logs a failed read's whole traceback (about 200 lines) at ERROR before it
+    raises the same error to us; here it is raised and reported once, so that log is off."""
+    logger = logging.getLogger("ray.data")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def prepare(spec: SFTSpec) -> dict[str, int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -202,6 +203,10 @@ def install() -> None:
         mcore_random._get_cuda_rng_state = _cpu_rng_state
         mcore_random._set_cuda_rng_state = _set_cpu_rng_state
         _backward_on_cpu()
+        # Every torch call passes through CudaToCpuMode, which reads each argument: torch then
+        # warns about reading .grad of the non-leaf tensors Megatron passes, on CPU only.
+        warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is "
+                                r"not a leaf Tensor is being accessed", category=UserWarning)
         _installed = True
 
 

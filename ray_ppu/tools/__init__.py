@@ -1,0 +1,1 @@
+"""What the entry points run besides training: benchmarks, the demo corpus, migration."""
