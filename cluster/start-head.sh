@@ -43,6 +43,10 @@ export RAY_custom_unit_instance_resources="neuron_cores,TPU,NPU,HPU,RBLN,FURIOSA
 # As the reference PAI-Megatron-Patch script: one hardware queue, so tensor-parallel
 # communication and compute kernels are issued in order.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
+# `ray job stop` SIGTERMs the job, then kills it after this many seconds (Ray's default: 3).
+# ray_ppu's workers save a checkpoint on that signal within checkpoint.stop_timeout_s (300 s
+# by default): the wait covers it, with 30 s to spare.
+export RAY_JOB_STOP_WAIT_TIME_S="${RAY_JOB_STOP_WAIT_TIME_S:-330}"
 # The reference run_dsw_7b.sh unsets this NCCL tuning variable before training.
 unset NCCL_QUADRUPLE_CHANNELS
 if [[ -n "${NCCL_SOCKET_IFNAME:-}" ]]; then export NCCL_SOCKET_IFNAME; fi

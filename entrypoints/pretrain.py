@@ -98,10 +98,8 @@ def main(argv=None) -> int:
             return 2
         return 0
 
-    import ray
-
     from ray_ppu.data.checks import CorpusError
-    from ray_ppu.launcher import ClusterError, connect, launch
+    from ray_ppu.launcher import ClusterError, connect, launch, shutdown
 
     started = False
     try:
@@ -122,7 +120,7 @@ def main(argv=None) -> int:
         return 130
     finally:
         if started:
-            ray.shutdown()
+            shutdown()
     if cfg.output.report:
         from ray_ppu.report import write_report
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,8 +72,10 @@ def train(cfg, backend) -> dict:
     spec = idxmap.spec_for(cfg, plan)
     # Collective: Megatron's builder lets rank 0 build the index cache while the others wait,
     # then every rank loads it. Done up front so no read during training hits that barrier.
+    started = time.perf_counter()
     idxmap.check(spec)
     idxmap.datasets(spec)
+    startup = {"index": time.perf_counter() - started}  # the start: line, as under Ray
 
     coords = plan.dims.coordinates(rank)
     reads = any(r == rank for r, _ in plan.dims.data_ranks())
@@ -82,7 +85,7 @@ def train(cfg, backend) -> dict:
     valid = (local.microbatches(*rank_args, 0, valid_steps(plan), "valid")
              if reads and plan.eval_iters else None)
     final = worker.run(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid,
-                       resume=_weights_to_load(cfg))
+                       resume=_weights_to_load(cfg), startup=startup)
     if rank == 0 and cfg.output.report:
         write_report(cfg.output.dir)
     return final

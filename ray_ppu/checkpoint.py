@@ -41,7 +41,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 import shutil

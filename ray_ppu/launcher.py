@@ -26,7 +26,7 @@ import ray.train
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import checkpoint, devices, ray_worker, recovery
+from ray_ppu import checkpoint, devices, ray_worker, recovery, watchdog
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
@@ -49,14 +49,26 @@ class ClusterError(RuntimeError):
     """The cluster cannot run the requested job (found before any worker is placed)."""
 
 
+_connected_in_s = 0.0  # how long this process's connect() took (the start line's "ray")
+
+
 def connect(cfg: RunConfig) -> bool:
     """Join the cluster in RAY_ADDRESS (as under ``ray job submit``), else start a local Ray.
 
     The local Ray advertises simulated PPUs (``cluster.simulated_ppus``, default: as many as
     the run needs) with per-unit ids. Returns True when this call started Ray.
     """
+    global _connected_in_s
     if ray.is_initialized():
         return False
+    started = time.perf_counter()
+    try:
+        return _connect(cfg)
+    finally:
+        _connected_in_s = time.perf_counter() - started
+
+
+def _connect(cfg: RunConfig) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
         return False
@@ -111,13 +123,16 @@ def _readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:
 
 class FailureRecorder(ray.train.UserCallback):
     """Runs in the Ray Train controller: writes down each worker-group failure (cause, ranks,
-    time) for the next group's rank 0 to report as a restart (ray_ppu.recovery)."""
+    time) for the next group's rank 0 to report as a restart (ray_ppu.recovery); the cause of
+    a hang is the progress board's (ray_ppu.watchdog)."""
 
     def __init__(self, root: Path, token: str) -> None:
         self.root, self.token = root, token
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        failure = recovery.record_failure(self.root, self.token, worker_exceptions)
+        # A hang declared by the progress board made the ranks exit: that is the cause.
+        failure = recovery.record_failure(self.root, self.token, worker_exceptions,
+                                          cause=watchdog.hang_cause(self.token))
         log.warning("worker group failed (%s); Ray Train restarts it if "
                     "cluster.max_failures allows", failure.cause)
 
@@ -148,7 +163,7 @@ class _GracefulStop:
 def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers: dict,
                   token: str = "", phases: Optional[dict] = None) -> TorchTrainer:
     """TorchTrainer with one worker per PPU, checkpoints and the failure policy. ``readers``:
-    how the workers reach this launch's readers (:func:`_start_readers`); ``token``
+    how the workers reach this launch's readers (:func:`_prepare`); ``token``
     identifies this launch; ``phases``: the driver's start-up figures, for rank 0's log."""
     c = cfg.cluster
     root = checkpoint.save_root(cfg)
@@ -186,8 +201,9 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
        cache, data and checkpoint paths, Transformer Engine and the device), Megatron's sample
        indices built once in one Ray task into the shared cache (skipped when the cache
        already holds them), and the readers' processes starting on every PPU node.
-    5. The readers read the first iterations of both splits; TorchTrainer.fit() meanwhile:
-       one worker per PPU, each joining the Megatron worker group.
+    5. The readers read the first iterations of both splits; the progress board starts
+       (:mod:`ray_ppu.watchdog`); TorchTrainer.fit() meanwhile: one worker per PPU, each
+       joining the Megatron worker group.
     6. SIGTERM (``ray job stop``): the workers save after their iteration and stop; Ctrl-C,
        a second signal or ``checkpoint.stop_timeout_s`` later: Ray Train aborts them.
     """
@@ -198,9 +214,9 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             log.info("corpus %s: %d documents, %.4g tokens (%s)", info.prefix, info.documents,
                      info.tokens, info.dtype)
     cfg, resume = _starting_point(cfg, plan)
-    phases: dict[str, float] = {}
-    with _timed(phases, "ray"):
-        started = connect(cfg)
+    _check_stop_wait(cfg)
+    started = connect(cfg)
+    phases = {"ray": _connected_in_s}  # here, or by the caller before (the demo's corpus)
     # ray job stop sends SIGTERM: the workers save and stop (then, or before training starts,
     # it is Ctrl-C: Ray Train's abort of the worker group). Only the main thread can set
     # handlers (a launch from another thread, as in tests, keeps the default).
@@ -209,10 +225,13 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
                              cfg.checkpoint.stop_timeout_s)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, graceful) if main else None
-    readers: list = []
+    owned: list = []  # the actors this launch owns (readers, progress board): they outlive groups
     try:
         check_capacity(cfg)
-        backend, readers, reader_info = _prepare(cfg, plan, spec, token, resume, phases)
+        backend, reader_info = _prepare(cfg, plan, spec, token, resume, phases, owned)
+        board = watchdog.start_board(token, cfg.cluster.hang_timeout_s)
+        if board is not None:
+            owned.append(board)
         # Ray Train passes this from the driver to its controller: how long a new worker group
         # may take to start before the controller decides again (elastic: after a node loss
         # it may first try the old size while Ray still counts the lost node).
@@ -242,10 +261,26 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
-        for reader in readers:
-            ray.kill(reader)
+        for actor in owned:
+            ray.kill(actor)
         if started:
             shutdown()
+
+
+def _check_stop_wait(cfg: RunConfig) -> None:
+    """A submitted job (``ray job submit``) warns when ``ray job stop`` would kill it before
+    the checkpoint its workers save on the stop can be written: Ray's job supervisor waits
+    RAY_JOB_STOP_WAIT_TIME_S (default 3 s; the head's environment) after its SIGTERM."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:  # set only in a submitted job's driver
+        return
+    wait = float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", 3))
+    if wait < cfg.checkpoint.stop_timeout_s:
+        log.warning("`ray job stop` kills this job %g s after asking it to stop "
+                    "(RAY_JOB_STOP_WAIT_TIME_S on the head node), but the checkpoint saved on a "
+                    "stop may take up to checkpoint.stop_timeout_s=%g s: a stop may lose the "
+                    "work since the last save; start the head with RAY_JOB_STOP_WAIT_TIME_S=%d "
+                    "(cluster/start-head.sh does)", wait, cfg.checkpoint.stop_timeout_s,
+                    math.ceil(cfg.checkpoint.stop_timeout_s) + 30)
 
 
 def shutdown() -> None:
@@ -282,10 +317,10 @@ class _timed:
 
 
 def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
-             resume: Optional[checkpoint.ResumePoint], phases: dict):
+             resume: Optional[checkpoint.ResumePoint], phases: dict, owned: list):
     """The preflight, the data (indices or SFT rows) and the readers, overlapped; returns the
-    device backend, the reader handles (the driver owns them) and what the workers need to
-    reach them."""
+    device backend and what the workers need to reach the readers (their handles go into
+    ``owned`` as they start: the driver owns them)."""
     from ray_ppu import preflight
 
     sft = isinstance(spec, sft_store.SFTSpec)
@@ -299,6 +334,9 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
     source = {"sft": spec} if sft else {"manifest": str(idxmap.manifest(spec))}
     reader_info = {"source": source, "token": token, "per_node": per_node,
                    "cpus": cfg.data.reader_cpus}
+    readers = reader_pool.start(source, token, [n["NodeID"] for n in nodes], per_node,
+                                cfg.data.reader_cpus)  # their processes start meanwhile
+    owned += readers
     with _timed(phases, "preflight"):
         backend = _backend(preflight.check(cfg))
     with _timed(phases, "index"):
@@ -323,11 +361,10 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
     first = reader_pool.first_requests(
         [dp for _, dp in plan.dims.data_ranks()], plan.data_parallel_size,
         plan.global_batch_size, plan.micro_batch_size, starts, ahead)
-    readers = reader_pool.start(source, token, [n["NodeID"] for n in nodes], per_node,
-                                cfg.data.reader_cpus, first)
+    reader_pool.read_ahead(readers, per_node, first)
     log.info("readers: %d per PPU node on %d node(s), reading the first %d iteration(s) of "
              "%s ahead", per_node, len(nodes), ahead, " and ".join(starts))
-    return backend, readers, reader_info
+    return backend, reader_info
 
 
 def _starting_point(cfg: RunConfig, plan: Plan):

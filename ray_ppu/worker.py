@@ -36,6 +36,7 @@ def run(
     interruption: Optional[Callable[[int], Optional[str]]] = None,
     on_metrics: Optional[Callable[[dict], None]] = None,
     startup: Optional[dict] = None,
+    on_progress: Optional[Callable[..., None]] = None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
@@ -49,8 +50,10 @@ def run(
     all: None, ``"save"`` (a node is being drained) or ``"stop"`` (the job is being stopped).
     ``on_metrics(row)``: every logged row, on every rank (Ray's metrics export).
     ``startup``: seconds per start-up phase so far (the launcher's); rank 0 of a first group
-    adds the model build, the first batch's wait and the first step, and logs them once at the
-    first iteration (a ``start`` row in metrics.jsonl and a ``start: …`` line).
+    adds the model build, the first batch's wait and the first step, and logs them once, after
+    the first training row (a ``start`` row in metrics.jsonl and a ``start: …`` line).
+    ``on_progress(state=...)``: told ``"save"`` before a save and ``"train"`` after it (the
+    hang watchdog allows a save longer than an iteration).
 
     1. Bind the device (PPU id, or the CPU shim) for this thread.
     2. Megatron parallel groups and seeds on the existing process group.
@@ -82,6 +85,7 @@ def run(
     logged: dict = {}  # the last training row as logged: the final result carries it
 
     def on_log(metrics: dict) -> None:
+        nonlocal startup
         if "lm_loss" in metrics:
             # training rows say the group's shape too: an elastic group changes it
             metrics = {**metrics, "mfu": metrics["tflops_per_device"] / peak,
@@ -90,6 +94,9 @@ def run(
             logged.update(metrics)
         if writer is not None:
             writer.write(metrics)
+            if "lm_loss" in metrics and startup is not None and not failures:
+                _log_startup(writer, metrics["iteration"], startup, timeline, batches)
+                startup = None  # once: the start row follows the first training row
         if on_metrics is not None:  # every rank: its own throughput, memory, data wait
             on_metrics(metrics)
 
@@ -123,10 +130,7 @@ def run(
 
     def on_iteration(done: int, sample_ids: Optional[list]) -> Optional[str]:
         nonlocal restart_pending
-        if "first_step_done" not in timeline:
-            timeline["first_step_done"] = time.perf_counter()
-            if writer is not None and startup is not None and not failures:
-                _log_startup(writer, done, startup, timeline, batches)
+        timeline.setdefault("first_step_done", time.perf_counter())
         saving(saver.poll)  # background saves whose writers finished
         if samples is not None and sample_ids is not None:
             samples.write(done, sample_ids)
@@ -176,7 +180,11 @@ def run(
 
             def on_save(iteration: int, metrics: dict) -> None:
                 tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
+                if on_progress is not None:  # a save may take longer than an iteration
+                    on_progress(state="save")
                 saving(lambda: saver.save(iteration, model, optimizer, scheduler, tag=tag))
+                if on_progress is not None:
+                    on_progress(state="train")
                 # async: the state is staged and training goes on (sync: already complete)
                 tag["blocked_s"] = time.perf_counter() - tag["started"]
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from ray_ppu.data import idxmap, local
+from ray_ppu.data import idxmap
 from ray_ppu.data.order import rank_sample_ids, valid_start
 
 

@@ -19,7 +19,8 @@ def test_one_pool_serves_every_rank_and_split_in_megatron_order(ray_cluster, cor
     node = ray.get_runtime_context().get_node_id()
     starts = {"train": (1, train_iters), "valid": (0, 2)}
     first = reader_pool.first_requests([0, 1], dp, gbs, mbs, starts, window=2)
-    handles = reader_pool.start(source, "t1", [node], per_node=2, cpus=0.25, first=first)
+    handles = reader_pool.start(source, "t1", [node], per_node=2, cpus=0.25)
+    reader_pool.read_ahead(handles, 2, first)
     try:
         pool = reader_pool.node_readers(source, "t1", per_node=2, cpus=0.25)
         assert [r._actor_id for r in pool] == [h._actor_id for h in handles]  # found, not made

@@ -260,7 +260,7 @@ def prepared(spec: SampleSpec) -> Optional[dict[str, int]]:
     (no Megatron import, no rebuild: a restart or a second launch); else None."""
     try:
         meta = json.loads(manifest(spec).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError):  # absent (or not even a directory: the preflight says)
         return None
     if not all(Path(f).is_file() for f in sample_reader.index_files(meta)):
         return None

@@ -16,9 +16,10 @@ torch and Megatron-Core (~380 MB PSS), and the validation pool started only at t
 validation pass. Reading a sample is a memory-mapped copy of a few KB; one lean process per
 few ranks is far more than a rank consumes (``benchmark.py data`` measures both rates).
 
-Lifetime: the driver starts the readers of every PPU node before the worker group starts and
-asks them to read the first iterations of both splits (:func:`start`), so the readers'
-start-up overlaps the workers' imports and model build, and a restarted group finds them
+Lifetime: the driver starts the readers of every PPU node (:func:`start`) while it runs the
+preflight and builds the indices, then asks them to read the first iterations of both splits
+(:func:`read_ahead`) as the worker group starts, so the readers' start-up overlaps the
+workers' imports and model build, and a restarted group finds them
 running (they belong to the driver, not to the workers that die). A rank on a node that has
 no reader of this launch (a node that joined later) starts them there itself; those belong to
 that worker and go with its group.
@@ -144,18 +145,19 @@ def _create(source: dict, token: str, node_id: str, index: int, cpus: float):
     ).remote(source)
 
 
-def start(source: dict, token: str, node_ids: list[str], per_node: int, cpus: float,
-          first: list[tuple]) -> list:
-    """Start ``per_node`` readers on each node (asynchronously: nothing here waits) and have
-    every one read the requests of ``first`` (argument tuples of :meth:`_Reader.read`) that
-    fall to it, as the streams will ask. Returns the handles (the caller keeps them alive)."""
-    handles = []
-    for node_id in node_ids:
-        pool = [_create(source, token, node_id, i, cpus) for i in range(per_node)]
-        for i, reader in enumerate(pool):
-            reader.prefetch.remote([r for r in first if r[1] % per_node == i])
-        handles += pool
-    return handles
+def start(source: dict, token: str, node_ids: list[str], per_node: int, cpus: float) -> list:
+    """Start ``per_node`` readers on each node, without waiting: their processes start while
+    the caller goes on (they open ``source`` at their first read). Returns the handles, node
+    after node (the caller keeps them alive)."""
+    return [_create(source, token, node_id, i, cpus)
+            for node_id in node_ids for i in range(per_node)]
+
+
+def read_ahead(handles: list, per_node: int, first: list[tuple]) -> None:
+    """Have each node's readers read ``first`` (argument tuples of :meth:`_Reader.read`) as
+    the streams will ask them: iteration *i* by reader ``i % per_node`` of every node."""
+    for at, reader in enumerate(handles):
+        reader.prefetch.remote([r for r in first if r[1] % per_node == at % per_node])
 
 
 def first_requests(data_ranks: list[int], dp_size: int, global_batch_size: int,

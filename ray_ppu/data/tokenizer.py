@@ -24,7 +24,6 @@ import abc
 import functools
 import json
 import logging
-import os
 import time
 from importlib import resources
 from pathlib import Path

@@ -2,7 +2,7 @@
 
 The shape is the reference 7B layout's (TP 1 on one 16-PPU node: 16 data ranks, seq 4096,
 mbs 1, gbs 256, validation on). The driver starts the node's readers exactly as a launch does
-(:func:`ray_ppu.data.reader_pool.start`: the first iterations of both splits read ahead), then
+(:func:`ray_ppu.data.reader_pool.start`, then the first iterations of both splits read ahead), then
 every rank's train and validation streams start at once, one thread per rank in this process
 (the consumers are not what is measured), and read ``--iters`` iterations as fast as they can.
 
@@ -70,7 +70,8 @@ def run(corpus_prefix: Path, cache: Path, data_ranks: int, seq_length: int,
         first = reader_pool.first_requests(list(range(dp)), dp, global_batch_size, mbs, starts,
                                            window)
         asked = time.perf_counter()
-        handles = reader_pool.start(source, "bench", [node], per_node, 0.5, first)
+        handles = reader_pool.start(source, "bench", [node], per_node, 0.5)
+        reader_pool.read_ahead(handles, per_node, first)
         pool = reader_pool.node_readers(source, "bench", per_node, 0.5)
         results = _stream_all(pool, dp, global_batch_size, mbs, starts, window, asked)
         pids = ray.get([h.ready.remote() for h in handles])
