@@ -32,6 +32,7 @@ import ray.data
 from ray.data.datasource import FileBasedDatasource
 
 from ray_ppu.data.tokenizer import Tokenizer, export_qwen2_tokenizer, load_tokenizer
+from ray_ppu.errors import remote_cause
 
 # torch and Megatron are imported where the files are written, not here: every Ray Data actor
 # imports this module to unpickle its tokenizer class, and those two imports would cost each
@@ -364,21 +365,6 @@ def _skip_message(key: str, reason: str, source: str, where: str) -> str:
     return f"{source}: {where}: {what}"
 
 
-def _preprocess_error_in(err: BaseException) -> PreprocessError | None:
-    """Our own error inside the wrappers Ray puts around an exception raised in a worker."""
-    todo, seen = [err], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if type(e) is PreprocessError:
-            return PreprocessError(e.message)
-        # RayTaskError keeps the worker's exception in .cause; Ray Data chains its own on top.
-        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
-
-
 def _tokenized_dataset(files: list[str], json_key: str, tokenizer: Tokenizer, workers: int):
     """Rows of (ids, skip, source, where), one per input record, in input order."""
     # One read task per file: with fewer files than its target parallelism Ray Data would split
@@ -452,7 +438,7 @@ def preprocess_with_ray(inputs: Sequence[str | Path], output_prefix: str | Path,
         builder.data_file.close()
         for tmp in (tmp_bin, tmp_idx):
             tmp.unlink(missing_ok=True)
-        ours = _preprocess_error_in(err)
+        ours = remote_cause(err, (PreprocessError,))  # our own error inside Ray's wrappers
         if ours is not None and type(err) is not PreprocessError:
             raise ours from None  # the message, not a page of Ray traceback
         raise
