@@ -3,13 +3,15 @@ Train TorchTrainer.
 
 Workers run :func:`ray_ppu.ray_worker.train_worker`, which adapts Ray Train to the Ray-free
 :func:`ray_ppu.worker.run`. What the driver does before the group starts overlaps where it
-can: the preflight tasks, the index build and the readers' process start run at once, and the
+can: the preflight tasks, the index build (a thread here) and the readers' process start run
+at once, and the
 readers read the first iterations while the workers import and build the model. Each phase's
 duration reaches rank 0, which logs them once at the first iteration (``start: …``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -26,12 +28,11 @@ import ray.train
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import checkpoint, devices, ray_worker, recovery, watchdog
+from ray_ppu import checkpoint, devices, ray_worker, recovery
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
 from ray_ppu.data.order import valid_start, valid_steps
-from ray_ppu.errors import remote_cause
 from ray_ppu.plan import ParallelDims, Plan
 
 log = logging.getLogger("ray_ppu")
@@ -104,11 +105,6 @@ def check_capacity(cfg: RunConfig) -> None:
         )
 
 
-@ray.remote(num_cpus=1)
-def _prepare_index(spec: idxmap.SampleSpec) -> dict[str, int]:
-    return idxmap.prepare(spec)
-
-
 def _readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:
     """Readers each node starts: ``data.reader_actors``, or sized by the node's data ranks
     (the workers one node holds × the fraction of ranks that read data)."""
@@ -123,16 +119,13 @@ def _readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:
 
 class FailureRecorder(ray.train.UserCallback):
     """Runs in the Ray Train controller: writes down each worker-group failure (cause, ranks,
-    time) for the next group's rank 0 to report as a restart (ray_ppu.recovery); the cause of
-    a hang is the progress board's (ray_ppu.watchdog)."""
+    time) for the next group's rank 0 to report as a restart (ray_ppu.recovery)."""
 
     def __init__(self, root: Path, token: str) -> None:
         self.root, self.token = root, token
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        # A hang declared by the progress board made the ranks exit: that is the cause.
-        failure = recovery.record_failure(self.root, self.token, worker_exceptions,
-                                          cause=watchdog.hang_cause(self.token))
+        failure = recovery.record_failure(self.root, self.token, worker_exceptions)
         log.warning("worker group failed (%s); Ray Train restarts it if "
                     "cluster.max_failures allows", failure.cause)
 
@@ -199,11 +192,10 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     3. Connect to the cluster (or start a local Ray with simulated PPUs); enough PPU?
     4. At once: the preflight on every PPU node (:mod:`ray_ppu.preflight`: output, index
        cache, data and checkpoint paths, Transformer Engine and the device), Megatron's sample
-       indices built once in one Ray task into the shared cache (skipped when the cache
-       already holds them), and the readers' processes starting on every PPU node.
-    5. The readers read the first iterations of both splits; the progress board starts
-       (:mod:`ray_ppu.watchdog`); TorchTrainer.fit() meanwhile: one worker per PPU, each
-       joining the Megatron worker group.
+       indices built once, here, into the shared cache (skipped when the cache already holds
+       them), and the readers' processes starting on every PPU node.
+    5. The readers read the first iterations of both splits; TorchTrainer.fit() meanwhile:
+       one worker per PPU, each joining the Megatron worker group.
     6. SIGTERM (``ray job stop``): the workers save after their iteration and stop; Ctrl-C,
        a second signal or ``checkpoint.stop_timeout_s`` later: Ray Train aborts them.
     """
@@ -225,13 +217,10 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
                              cfg.checkpoint.stop_timeout_s)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, graceful) if main else None
-    owned: list = []  # the actors this launch owns (readers, progress board): they outlive groups
+    owned: list = []  # the actors this launch owns (the readers): they outlive the groups
     try:
         check_capacity(cfg)
         backend, reader_info = _prepare(cfg, plan, spec, token, resume, phases, owned)
-        board = watchdog.start_board(token, cfg.cluster.hang_timeout_s)
-        if board is not None:
-            owned.append(board)
         # Ray Train passes this from the driver to its controller: how long a new worker group
         # may take to start before the controller decides again (elastic: after a node loss
         # it may first try the old size while Ray still counts the lost node).
@@ -327,7 +316,9 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
     index = None
     started = time.perf_counter()
     if not sft and idxmap.prepared(spec) is None:  # a cache hit needs no Megatron at all
-        index = _prepare_index.remote(spec)
+        # In this process, beside the preflight's tasks: it already read the corpus (the
+        # checks above) and holds torch; a task would start a process and import both again.
+        index = concurrent.futures.ThreadPoolExecutor(1).submit(_timed_prepare, spec)
     nodes = preflight.ppu_nodes(cfg.cluster.resource_name)
     per_node = _readers_per_node(cfg, max((n["Resources"][cfg.cluster.resource_name]
                                            for n in nodes), default=0))
@@ -402,21 +393,22 @@ def _as_config_error(fn, *args):
         raise ConfigError(str(err)) from None
 
 
+def _timed_prepare(spec: idxmap.SampleSpec) -> tuple[dict, float]:
+    started = time.perf_counter()
+    return idxmap.prepare(spec, checked=True), time.perf_counter() - started  # checked in launch
+
+
 def _prepare_indices(index, spec: idxmap.SampleSpec) -> dict:
-    """Megatron's indices built by one Ray task (never by every rank at once), timed; ``index``:
-    that task, or None when the cache already holds them."""
+    """Megatron's indices, built once by the driver (never by every rank at once); ``index``:
+    the future of that build, or None when the cache already holds them."""
     if index is None:
         log.info("Megatron sample indices found in %s", spec.index_cache_dir)
         return idxmap.prepared(spec)
-    start = time.perf_counter()
     try:
-        samples = ray.get(index)
-    except ray.exceptions.RayTaskError as err:
-        cause = remote_cause(err)
-        if cause is not None:  # the corpus cannot give what the run asks
-            raise ConfigError(str(cause)) from None
-        raise
-    log.info("Megatron sample indices ready in %.1f s", time.perf_counter() - start)
+        samples, seconds = index.result()
+    except ValueError as err:  # the corpus cannot give what the run asks
+        raise ConfigError(str(err)) from None
+    log.info("Megatron sample indices ready in %.1f s", seconds)
     return samples
 
 

@@ -20,7 +20,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from ray_ppu import checkpoint, devices, recovery, watchdog
+from ray_ppu import checkpoint, devices, recovery
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import reader_pool
 from ray_ppu.data.order import valid_start, valid_steps
@@ -140,14 +140,10 @@ def train_worker(payload: dict) -> dict:
     phases = dict(payload.get("phases") or {})
     if "fit_called_at" in phases:  # controller, placement, worker processes, imports
         phases["group"] = group_started - phases.pop("fit_called_at")
-    failures = recovery.failures(root, token)
-    # Beats to the launch's progress board: a hang fails the group (ray_ppu.watchdog).
-    heartbeat = watchdog.Heartbeat(token, len(failures), context.get_world_rank())
-    interruption.heartbeat = heartbeat
     final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
-                       resume, on_checkpoint=_report_checkpoint, failures=failures,
-                       interruption=interruption, on_metrics=exported, startup=phases,
-                       on_progress=heartbeat.progress)
+                       resume, on_checkpoint=_report_checkpoint,
+                       failures=recovery.failures(root, token), interruption=interruption,
+                       on_metrics=exported, startup=phases)
     if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
         (root / f"{_FINISHED}{token}").touch()
     return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}
@@ -187,11 +183,8 @@ class _Interruptions:
         self.watch_preemption = watch_preemption
         self.poll_s = float(os.environ.get("RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S", 5.0))
         self.last_poll = time.monotonic()
-        self.heartbeat: Optional[watchdog.Heartbeat] = None
 
     def __call__(self, iteration: int) -> Optional[str]:
-        if self.heartbeat is not None:  # before the collective below: a stalled rank shows
-            self.heartbeat.progress(iteration)
         rank0 = dist.get_rank() == 0
         poll = (rank0 and self.watch_preemption
                 and time.monotonic() - self.last_poll >= self.poll_s)

@@ -53,15 +53,13 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0][:200]}"
 
 
-def record_failure(root: str | Path, token: str, errors: dict,
-                   cause: Optional[str] = None) -> Failure:
-    """Append a failure (``errors``: world rank → exception) to ``<root>/failures.jsonl``;
-    ``cause`` overrides the one the errors give (a hang: the ranks were made to exit).
+def record_failure(root: str | Path, token: str, errors: dict) -> Failure:
+    """Append a failure (``errors``: world rank → exception) to ``<root>/failures.jsonl``.
 
     Never raises: it runs in Ray Train's controller, which must go on restarting the group
     even when the record cannot be written (a full disk); the restart then goes unreported.
     """
-    failure = Failure(token=token, detected_at=time.time(), cause=cause or cause_of(errors),
+    failure = Failure(token=token, detected_at=time.time(), cause=cause_of(errors),
                       ranks=tuple(sorted(errors)))
     path = Path(root) / FAILURES_FILE
     try:

@@ -36,7 +36,6 @@ def run(
     interruption: Optional[Callable[[int], Optional[str]]] = None,
     on_metrics: Optional[Callable[[dict], None]] = None,
     startup: Optional[dict] = None,
-    on_progress: Optional[Callable[..., None]] = None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
@@ -52,8 +51,6 @@ def run(
     ``startup``: seconds per start-up phase so far (the launcher's); rank 0 of a first group
     adds the model build, the first batch's wait and the first step, and logs them once, after
     the first training row (a ``start`` row in metrics.jsonl and a ``start: …`` line).
-    ``on_progress(state=...)``: told ``"save"`` before a save and ``"train"`` after it (the
-    hang watchdog allows a save longer than an iteration).
 
     1. Bind the device (PPU id, or the CPU shim) for this thread.
     2. Megatron parallel groups and seeds on the existing process group.
@@ -180,11 +177,7 @@ def run(
 
             def on_save(iteration: int, metrics: dict) -> None:
                 tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
-                if on_progress is not None:  # a save may take longer than an iteration
-                    on_progress(state="save")
                 saving(lambda: saver.save(iteration, model, optimizer, scheduler, tag=tag))
-                if on_progress is not None:
-                    on_progress(state="train")
                 # async: the state is staged and training goes on (sync: already complete)
                 tag["blocked_s"] = time.perf_counter() - tag["started"]
 

@@ -296,11 +296,6 @@ class ClusterConfig:
     """Embedded local Ray only: PPU units to advertise (0 = num_workers × ppu_per_worker)."""
     max_failures: int = 0
     """Worker-group restarts Ray Train attempts after a failure (-1 = unlimited)."""
-    hang_timeout_s: float = 0.0
-    """A group that completes no iteration for this long is failed and restarted as after a
-    node loss, naming the stalled ranks (ray_ppu.watchdog); 0 = max(120 s, 10 × the median
-    step), watched from the first completed iteration on, saves allowed max(this, 600 s);
-    -1 = never."""
     placement_timeout_s: float = 30.0
     """How long to wait for the cluster to show enough PPU before failing."""
 

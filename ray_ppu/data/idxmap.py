@@ -245,10 +245,12 @@ def dataset(spec: SampleSpec, split: str = "train"):
     return datasets(spec)[split]
 
 
-def prepare(spec: SampleSpec) -> dict[str, int]:
-    """Check the corpora, build and cache Megatron's indices, and write the manifest the
-    readers open them by (:mod:`ray_ppu.data.sample_reader`); returns samples per split."""
-    check(spec)
+def prepare(spec: SampleSpec, checked: bool = False) -> dict[str, int]:
+    """Check the corpora (unless ``checked``: the caller just did), build and cache Megatron's
+    indices, and write the manifest the readers open them by (:mod:`ray_ppu.data.sample_reader`);
+    returns samples per split."""
+    if not checked:
+        check(spec)
     Path(spec.index_cache_dir).mkdir(parents=True, exist_ok=True)
     built = _build(spec)
     _write_manifest(spec, built)

@@ -96,7 +96,9 @@ def run(rounds: int, iters: int, extra: list[str], json_path: str | None) -> dic
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(rounds):
                 for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
-                    run_env = {**env, "RAY_ADDRESS": cluster.address} if kind == "ray-job" else env
+                    # a job joins with the running Ray's token (ray.init wrote it, as ray start)
+                    run_env = ({**env, "RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": "token"}
+                               if kind == "ray-job" else env)
                     res = one_run(kind, Path(tmp) / f"{kind}{r}", iters, extra, run_env)
                     results[kind].append(res)
                     print(f"round {r} {kind:8s} median step {res['step_s'] * 1000:7.1f} ms | "
