@@ -16,7 +16,8 @@ import shutil
 import numpy as np
 import pytest
 
-from ray_ppu.data.preprocess import PreprocessError, _preprocess_error_in
+from ray_ppu.data.preprocess import PreprocessError
+from ray_ppu.errors import remote_cause
 from ray_ppu.data.sft import (
     DROP_REASONS,
     ChatEncoder,
@@ -452,5 +453,5 @@ def test_ray_dataset_equals_in_process(ray_cluster, qwen2_tokenizer_dir, encoder
     ds, _ = sft_dataset([data], qwen2_tokenizer_dir, seq_length=160, on_error="fail", workers=2)
     with pytest.raises(Exception) as info:
         _collect(ds)
-    err = _preprocess_error_in(info.value)
+    err = remote_cause(info.value, (PreprocessError,))
     assert err is not None and str(err).startswith(f"{data / 'part-00000.jsonl'}: line 12: invalid JSON")
