@@ -674,7 +674,7 @@ def recovery(args) -> dict:
     saves = [(_asctime(m[1]), int(m[2]), m[3], float(m[4]))
              for _, l in lines if (m := _SAVED.search(l))]
     # Detection: the first line after the loss that is about the failure (controller / Ray core),
-    # else the restarted group's dataset factories writing stream_start.json.
+    # else the restarted group's rank 0 writing stream_start.json.
     detect_line = next(((t, l) for t, l in lines
                         if t > t_loss and "RECOVERY" not in l and _DETECTED.search(l)), None)
     t_detect = detect_line[0] if detect_line else res["stream_start_mtime"]

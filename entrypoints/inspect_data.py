@@ -5,7 +5,7 @@
 
 Prints one JSON line per sample: its global sample id, the iteration and microbatch it belongs
 to, its token ids, and (with --tokenizer) the decoded text. The ids come from the same functions
-the Ray Data stream uses (Megatron's dataset built from the config, Megatron-LM's sampler order),
+the readers use (Megatron's dataset built from the config, Megatron-LM's sampler order),
 without Ray or workers; Megatron's indices are built into / loaded from the run's index cache.
 """
 

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 entrypoints/torchrun_pretrain.py --config run.yaml [key=value ...]
     torchrun ... entrypoints/torchrun_pretrain.py --config run.yaml --variants variants.json
 
-Reads the same samples the Ray Data stream would deliver, in-process. ``--variants``: a JSON
+Reads the same samples the readers would deliver, in-process. ``--variants``: a JSON
 object ``{name: [key=value, ...]}``; the processes train each variant in turn (its overrides
 on top of the others, output in ``<output.dir>/<name>``), so option comparisons pay the start
 once (``benchmark.py options``).

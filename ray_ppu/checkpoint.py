@@ -225,8 +225,8 @@ def latest(root: str | Path) -> Optional[tuple[Path, Meta]]:
 
 
 def resume_point(cfg: RunConfig) -> Optional[ResumePoint]:
-    """Where this run starts: THE decision, made the same way by the stream factories and the
-    workers (module docstring).
+    """Where this run starts: THE decision, made the same way by the driver and every worker
+    (module docstring).
 
     1. The latest complete checkpoint in the run's own save root: an exact resume.
     2. Else ``checkpoint.load``: a checkpoint directory, or a directory of them (the latest

@@ -8,8 +8,8 @@ iterations of the tiny model as in test_training.py, saving every 4:
 * ``uninterrupted``: DP 2, start to end: the reference losses and checkpoints.
 * ``interrupted``: the same run, but one Ray Train worker process is SIGKILLed right after the
   checkpoint at iteration 4 is complete. A real interruption rather than "run 4 iterations,
-  then 8": it exercises Ray Train's own restart (FailureConfig), the dataset factories being
-  re-evaluated by the controller, and a schedule that never changed length (a run re-launched
+  then 8": it exercises Ray Train's own restart (FailureConfig), the restarted workers starting
+  their streams from their own resume point, and a schedule that never changed length (a run re-launched
   with another train_iters keeps the checkpoint's LR schedule, as Megatron does).
 * ``resharded``: DP 1, started with ``checkpoint.load`` from a directory holding the
   interrupted run's DP-2 checkpoint at iteration 4 and a newer, incomplete one (no meta file).
@@ -290,7 +290,7 @@ def interrupted(ray_cluster, corpus, tmp_path_factory):
         checkpoint.save_root(cfg) / "iter_0000004" / checkpoint.META_FILE, killed))
     assert killed, "no worker was killed: the interruption did not happen"
     rows = _rows(out)
-    # What the dataset factories chose when Ray Train restarted the group (the first start
+    # Where the restarted group's streams began, as its rank 0 recorded it (the first start
     # recorded iteration 0).
     record = json.loads((checkpoint.save_root(cfg) / checkpoint.STREAM_START_FILE).read_text())
     return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows), "record": record}

@@ -1,4 +1,4 @@
-"""Microbatches without Ray: the same samples the Ray Data stream delivers, read in-process.
+"""Microbatches without Ray: the same samples the readers deliver, read in-process.
 
 Used under plain torchrun (overhead benchmark, single-node debugging).
 """
