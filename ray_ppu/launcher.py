@@ -163,7 +163,9 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers:
     return TorchTrainer(
         ray_worker.train_worker,
         train_loop_config={"cfg": cfg, "plan": plan, "backend": backend, "token": token,
-                           "readers": readers, "phases": phases or {}},
+                           "readers": readers, "phases": phases or {},
+                           # the group's start (the start line's "group") is measured from here
+                           "fit_called_at": time.time()},
         # Explicit: TorchConfig(backend=None) would pick gloo for a custom resource like PPU.
         torch_config=TorchConfig(backend=devices.dist_backend(backend)),
         scaling_config=ScalingConfig(
@@ -226,7 +228,6 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         # it may first try the old size while Ray still counts the lost node).
         if _START_TIMEOUT_ENV not in _ENV_AT_IMPORT:  # the user's own setting wins
             os.environ[_START_TIMEOUT_ENV] = f"{cfg.cluster.group_start_timeout_s:g}"
-        phases["fit_called_at"] = time.time()  # the group's start is measured from here
         trainer = build_trainer(cfg, plan, backend, reader_info, token=token, phases=phases)
         graceful.training = True
         try:
@@ -292,19 +293,6 @@ def _alive_train_helpers() -> bool:
     return any(a.class_name == "PlacementGroupCleaner" for a in alive)
 
 
-class _timed:
-    """``with _timed(phases, "index"):`` adds the block's wall time to ``phases["index"]``."""
-
-    def __init__(self, phases: dict, name: str) -> None:
-        self.phases, self.name = phases, name
-
-    def __enter__(self):
-        self.started = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.phases[self.name] = self.phases.get(self.name, 0.0) + time.perf_counter() - self.started
-
-
 def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
              resume: Optional[checkpoint.ResumePoint], phases: dict, owned: list):
     """The preflight, the data (indices or SFT rows) and the readers, overlapped; returns the
@@ -313,12 +301,16 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
     from ray_ppu import preflight
 
     sft = isinstance(spec, sft_store.SFTSpec)
-    index = None
+    index = cached = None
     started = time.perf_counter()
-    if not sft and idxmap.prepared(spec) is None:  # a cache hit needs no Megatron at all
+    if not sft:
+        cached = idxmap.prepared(spec)  # a cache hit needs no Megatron at all
+    if not sft and cached is None:
         # In this process, beside the preflight's tasks: it already read the corpus (the
         # checks above) and holds torch; a task would start a process and import both again.
-        index = concurrent.futures.ThreadPoolExecutor(1).submit(_timed_prepare, spec)
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        index = pool.submit(_timed_prepare, spec)
+        pool.shutdown(wait=False)  # the build finishes; no thread is kept after it
     nodes = preflight.ppu_nodes(cfg.cluster.resource_name)
     per_node = _readers_per_node(cfg, max((n["Resources"][cfg.cluster.resource_name]
                                            for n in nodes), default=0))
@@ -328,19 +320,20 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
     readers = reader_pool.start(source, token, [n["NodeID"] for n in nodes], per_node,
                                 cfg.data.reader_cpus)  # their processes start meanwhile
     owned += readers
-    with _timed(phases, "preflight"):
-        backend = _backend(preflight.check(cfg))
-    with _timed(phases, "index"):
-        if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
-            rows = _as_config_error(sft_store.prepare, spec)
-            log.info("SFT rows: %d train (%d samples needed: %.2f epochs), %d validation",
-                     rows["train"], plan.train_samples, plan.train_samples / rows["train"],
-                     rows["valid"])
-        else:
-            samples = _prepare_indices(index, spec)
-            log.info("index cache %s: %d training samples for %d needed, %d validation for %d",
-                     spec.index_cache_dir, samples["train"], plan.train_samples,
-                     samples["valid"], plan.valid_samples)
+    backend = _backend(preflight.check(cfg))
+    phases["preflight"] = time.perf_counter() - started
+    if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
+        rows = _as_config_error(sft_store.prepare, spec)
+        log.info("SFT rows: %d train (%d samples needed: %.2f epochs), %d validation",
+                 rows["train"], plan.train_samples, plan.train_samples / rows["train"],
+                 rows["valid"])
+    else:
+        samples = cached if index is None else _built_indices(index)
+        if index is None:
+            log.info("Megatron sample indices found in %s", spec.index_cache_dir)
+        log.info("index cache %s: %d training samples for %d needed, %d validation for %d",
+                 spec.index_cache_dir, samples["train"], plan.train_samples,
+                 samples["valid"], plan.valid_samples)
     phases["index"] = time.perf_counter() - started - phases["preflight"]  # what it added
     ray.data.DataContext.get_current().enable_progress_bars = False  # log lines, not bars
     iteration = resume.iteration if resume else 0
@@ -394,16 +387,15 @@ def _as_config_error(fn, *args):
 
 
 def _timed_prepare(spec: idxmap.SampleSpec) -> tuple[dict, float]:
+    # Megatron's builder logs every split and index file at INFO: the launch logs its summary
+    logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     started = time.perf_counter()
     return idxmap.prepare(spec, checked=True), time.perf_counter() - started  # checked in launch
 
 
-def _prepare_indices(index, spec: idxmap.SampleSpec) -> dict:
-    """Megatron's indices, built once by the driver (never by every rank at once); ``index``:
-    the future of that build, or None when the cache already holds them."""
-    if index is None:
-        log.info("Megatron sample indices found in %s", spec.index_cache_dir)
-        return idxmap.prepared(spec)
+def _built_indices(index: concurrent.futures.Future) -> dict:
+    """Samples per split of Megatron's indices, built once by the driver (never by every rank
+    at once); ``index``: the future of that build."""
     try:
         samples, seconds = index.result()
     except ValueError as err:  # the corpus cannot give what the run asks

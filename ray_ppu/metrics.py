@@ -47,7 +47,7 @@ def event_line(m: dict) -> str:
     if m["event"] == "interrupted":
         return (f"{m['reason']}: saving a checkpoint at iteration {m['iteration']}"
                 + (", then stopping" if m["reason"] == "job stop" else ", training goes on"))
-    if m["event"] == "start":  # once, at the first iteration of a run
+    if m["event"] == "start":  # once, after the first training row of a run
         return "start: " + " | ".join(f"{k} {v:.1f} s" for k, v in m["phases_s"].items())
     if m["event"] == "checkpoint_failed":
         return (f"{m['error']} ({m['checkpoint_failures']} failed save(s) so far); training "

@@ -137,9 +137,8 @@ def train_worker(payload: dict) -> dict:
                                   and not plan.spare_workers)
     exported = (RayMetrics(checkpoint.run_name(cfg), context.get_world_rank()).export
                 if cfg.output.ray_metrics else None)
-    phases = dict(payload.get("phases") or {})
-    if "fit_called_at" in phases:  # controller, placement, worker processes, imports
-        phases["group"] = group_started - phases.pop("fit_called_at")
+    # group: the controller, placement, the worker processes and their imports
+    phases = {**payload["phases"], "group": group_started - payload["fit_called_at"]}
     final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
                        resume, on_checkpoint=_report_checkpoint,
                        failures=recovery.failures(root, token), interruption=interruption,
