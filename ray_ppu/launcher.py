@@ -28,12 +28,13 @@ import ray.train
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import checkpoint, devices, ray_worker, recovery
+from ray_ppu import checkpoint, devices, ray_worker
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
 from ray_ppu.data.order import valid_start, valid_steps
 from ray_ppu.plan import ParallelDims, Plan
+from ray_ppu.train_controller import FailureRecorder
 
 log = logging.getLogger("ray_ppu")
 
@@ -115,19 +116,6 @@ def _readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:
     workers = min(c.num_workers, int(ppus_per_node // c.ppu_per_worker) if c.ppu_per_worker
                   else c.num_workers)
     return reader_pool.readers_per_node(cfg.data.reader_actors, math.ceil(workers * fraction))
-
-
-class FailureRecorder(ray.train.UserCallback):
-    """Runs in the Ray Train controller: writes down each worker-group failure (cause, ranks,
-    time) for the next group's rank 0 to report as a restart (ray_ppu.recovery)."""
-
-    def __init__(self, root: Path, token: str) -> None:
-        self.root, self.token = root, token
-
-    def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        failure = recovery.record_failure(self.root, self.token, worker_exceptions)
-        log.warning("worker group failed (%s); Ray Train restarts it if "
-                    "cluster.max_failures allows", failure.cause)
 
 
 class _GracefulStop:

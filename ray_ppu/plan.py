@@ -384,8 +384,13 @@ def build_plan(cfg: RunConfig) -> Plan:
     # Pretraining decays over all iterations; SFT over those after warmup (the reference).
     sft = cfg.data.dataset == "sft"
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else train_iters - (warmup if sft else 0)
-    if warmup > decay and not problems:
-        problems.append(f"lr_warmup_iters {warmup} exceeds lr_decay_iters {decay}")
+    if warmup >= decay and not problems:  # Megatron's scheduler asserts warmup < decay
+        how = ("set" if t.lr_decay_iters is not None
+               else f"train_iters − lr_warmup_iters for SFT" if sft else "train_iters")
+        problems.append(f"lr_warmup_iters {warmup} must be below lr_decay_iters {decay} ({how}): "
+                        f"the schedule warms up, then decays; lower the warmup or train longer")
+    if t.min_lr > t.lr:  # Megatron's scheduler asserts max_lr >= min_lr
+        problems.append(f"min_lr {t.min_lr:g} is above lr {t.lr:g}: the schedule decays to min_lr")
     problems += _data_problems(cfg)
     evaluations = train_iters // t.eval_interval + 1 if t.eval_interval > 0 else 0
 

@@ -2,7 +2,7 @@
 
 Ray Train's controller sees a worker group fail (a worker raised, its process or node died) and
 restarts the group; the new group loads the latest complete checkpoint. The controller side
-(``launcher.FailureRecorder``, a Ray Train callback) appends each failure to
+(``train_controller.FailureRecorder``, a Ray Train callback) appends each failure to
 ``<save root>/failures.jsonl`` with the launch's token; rank 0 of the next group reads them
 (:func:`failures`) and, once its first iteration is done, logs and records a restart row in
 metrics.jsonl (:func:`restart_row`). No Ray here.

@@ -161,6 +161,16 @@ def test_seq_length_beyond_max_positions():
     assert "seq_length 65536 exceeds max_position_embeddings 32768" in msg
 
 
+def test_schedule_megatron_would_assert_on_is_a_problem():
+    """Megatron's scheduler asserts warmup < decay and min_lr <= lr inside every worker: the
+    plan names both first (train_iters 5 with the demo's 5 warmup iterations did reach it)."""
+    msg = problems_of(*BASE, "training.train_iters=5", "training.lr_warmup_iters=5")
+    assert "lr_warmup_iters 5 must be below lr_decay_iters 5 (train_iters)" in msg
+    msg = problems_of(*BASE, "training.lr=1e-4", "training.min_lr=1e-3")
+    assert "min_lr 0.001 is above lr 0.0001" in msg
+    plan_of(*BASE, "training.train_iters=6", "training.lr_warmup_iters=5")  # 5 < 6: fine
+
+
 def test_all_problems_reported_together():
     msg = problems_of(*BASE, "cluster.num_workers=3", "parallel.tensor_model_parallel_size=2",
                       "training.seq_length=100000")

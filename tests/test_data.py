@@ -50,6 +50,17 @@ def test_validation_resumes_at_the_next_unread_batch():
     assert valid_start(8, 4, 2) == 4 and valid_start(7, 4, 2) == 2 and valid_start(0, 4, 2) == 0
 
 
+@pytest.mark.parametrize("split", ["98,2,0", "969,30,1", "90,10,0", "1,1,1", "100,0,0",
+                                   "99.9,0.1", "7", "0,1,0", "33.3,33.3,33.4", "949,50,1"])
+def test_split_matrix_is_megatrons(split, tmp_path):
+    """The driver's own split matrix (no Megatron import) is the one GPTDatasetConfig derives,
+    float for float: the empty-split check and Megatron's builder cut the same ranges."""
+    s = idxmap.SampleSpec(prefixes=("corpus",), weights=None, split=split, seq_length=8,
+                          seed=1, train_samples=8, index_cache_dir=str(tmp_path),
+                          eod_token_id=0, vocab_size=16)
+    assert idxmap.split_matrix(split) == idxmap.megatron_config(s).split_matrix
+
+
 def test_blend_forms():
     assert idxmap.parse_blend(["a"]) == (("a",), None)
     assert idxmap.parse_blend(["a", "b"]) == (("a", "b"), None)

@@ -45,3 +45,24 @@ def test_restart_row_counts_lost_iterations_and_recovery_time(tmp_path):
         "lost, first iteration done 12.5 s after the failure was detected")
     # nothing logged past the checkpoint: nothing lost
     assert recovery.restart_row([failure], 7, None, metrics, 101.0)["iterations_lost"] == 0
+
+
+def test_the_controllers_callback_imports_no_torch(tmp_path):
+    """Ray Train's controller unpickles the failure recorder before it asks for any worker:
+    unpickled in a fresh interpreter (as the controller does), it pulls in neither torch nor
+    Megatron-Core, whose imports would delay every worker group's start."""
+    import pickle
+    import subprocess
+    import sys
+
+    from ray_ppu.train_controller import FailureRecorder
+
+    blob = tmp_path / "callback.pkl"
+    blob.write_bytes(pickle.dumps(FailureRecorder(tmp_path, "launch-a")))
+    code = ("import pickle, sys\n"
+            f"callback = pickle.loads(open({str(blob)!r}, 'rb').read())\n"
+            "assert callback.token == 'launch-a'\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -138,6 +139,21 @@ def _list(values):
     return None if values is None else list(values)
 
 
+def split_matrix(split: str) -> list[Optional[tuple[float, float]]]:
+    """Each split's ``(lo, hi)`` share of every corpus's documents, or None for an empty one:
+    the matrix ``GPTDatasetConfig`` derives from ``data.split`` ("98,2,0" → [(0, 0.98),
+    (0.98, 1.0), None]), by the same float arithmetic (the parity test compares the two).
+    Computed here because the launch checks the splits before anything else needs
+    Megatron-Core, whose import costs the driver 2 s."""
+    weights = [float(w) for w in re.findall(r"[.0-9]+", split)]
+    weights += [0.0] * (len(SPLITS) + 1 - len(weights))  # train, valid, test
+    total = np.sum(np.array(weights, dtype=np.float64))  # numpy's sum, as Megatron's
+    bounds = [0.0]
+    for share in (np.array(weights, dtype=np.float64) / total).tolist():
+        bounds.append(bounds[-1] + share)
+    return [(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
 def empty_splits(spec: SampleSpec, sequences: dict[str, int]) -> list[str]:
     """Splits this run reads that hold no documents of some prefix (``sequences``: per prefix).
 
@@ -147,7 +163,7 @@ def empty_splits(spec: SampleSpec, sequences: dict[str, int]) -> list[str]:
     """
     if spec.valid_prefixes:
         return []
-    matrix = megatron_config(spec).split_matrix
+    matrix = split_matrix(spec.split)
     problems = []
     for prefix in spec.prefixes:
         n = sequences[prefix]
