@@ -265,6 +265,10 @@ def check_config(cfg: RunConfig) -> None:
                           f"to save only at the end")
     if c.keep_last < 1:
         raise ConfigError(f"checkpoint.keep_last={c.keep_last}: expected ≥ 1")
+    if c.memory_interval is not None and c.memory_interval < 0:
+        raise ConfigError(f"checkpoint.memory_interval={c.memory_interval}: expected ≥ 1, 0 for "
+                          f"no in-memory snapshots, or null for every iteration within 2 % of "
+                          f"the step")
     if c.finetune and not c.load:
         raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to start from)")
     if c.pretrained:

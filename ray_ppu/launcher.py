@@ -28,7 +28,7 @@ import ray.train
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import checkpoint, devices, ray_worker
+from ray_ppu import checkpoint, devices, ray_worker, snapshot_keeper
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
@@ -308,6 +308,8 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
     readers = reader_pool.start(source, token, [n["NodeID"] for n in nodes], per_node,
                                 cfg.data.reader_cpus)  # their processes start meanwhile
     owned += readers
+    if cfg.checkpoint.memory_interval != 0:  # the in-memory snapshots' keepers, one per node
+        owned += snapshot_keeper.start(token, [n["NodeID"] for n in nodes])
     backend = _backend(preflight.check(cfg))
     phases["preflight"] = time.perf_counter() - started
     if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus

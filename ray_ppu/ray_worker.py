@@ -20,7 +20,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from ray_ppu import checkpoint, devices, recovery
+from ray_ppu import checkpoint, devices, recovery, snapshot, snapshot_keeper
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import reader_pool
 from ray_ppu.data.order import valid_start, valid_steps
@@ -110,15 +110,19 @@ def train_worker(payload: dict) -> dict:
                     plan.pipeline_model_parallel_size, plan.data_parallel_size, plan.world_size,
                     plan.num_microbatches, plan.spare_workers)
 
-    # Where this group starts: every rank asks the same files (ray_ppu.checkpoint's docstring)
-    # and streams its data from there; rank 0 records it.
-    resume = checkpoint.resume_point(cfg)
+    # Where this group starts: every rank asks the same files (ray_ppu.checkpoint's docstring);
+    # a newer complete in-memory snapshot of the same layout wins (rank 0 decides for all).
+    # The data streams start there; rank 0 records it.
+    disk = checkpoint.resume_point(cfg)
+    memory = cfg.checkpoint.memory_interval != 0
+    resume = (_memory_point(cfg, plan, token, disk) if memory else None) or disk
     start_iteration = resume.iteration if resume else 0
     if context.get_world_rank() == 0:
         checkpoint.record_stream_start(cfg, token, resume, plan.eval_interval, plan.eval_iters)
-    _check_against_ray(cfg, resume)
+    _check_against_ray(cfg, disk)
     if plan.spare_workers and not _leave_spares_out(plan.world_size):
         return _idle_as_spare(cfg, token, start_iteration)
+    snapshots = _snapshotter(cfg, plan, token, backend) if memory else None
     batches, valid_batches = _streams(payload["readers"], cfg, plan, context.get_world_rank(),
                                       start_iteration)
     # As many compute threads as CPUs Ray reserved for this worker (torchrun sets
@@ -144,12 +148,86 @@ def train_worker(payload: dict) -> dict:
     final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
                        resume, on_checkpoint=_report_checkpoint,
                        failures=recovery.failures(root, token), interruption=interruption,
-                       on_metrics=exported, startup=phases)
+                       on_metrics=exported, startup=phases, snapshots=snapshots)
     if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
         (root / f"{_FINISHED}{token}").touch()
     return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}
 
 
+
+
+def _memory_point(cfg: RunConfig, plan: Plan, token: str,
+                  disk: Optional[checkpoint.ResumePoint]) -> Optional[snapshot.MemoryPoint]:
+    """The newest complete in-memory snapshot of this group's layout, at or after the disk
+    checkpoint ``disk``, or None. Rank 0 asks the launch's keepers and decides
+    (:func:`ray_ppu.snapshot_keeper.newest_complete`); every rank takes its answer and starts
+    fetching its own copy (its node's keeper first) while the model is built."""
+    from ray_ppu.preflight import ppu_nodes
+
+    layout = snapshot.layout_of(plan)
+    rank = dist.get_rank()
+
+    def propose():
+        found = snapshot_keeper.keepers(token, [n["NodeID"] for n in ppu_nodes(
+            cfg.cluster.resource_name)])
+        indexes = {}
+        for node_id, keeper in found.items():
+            try:
+                indexes[node_id] = ray.get(keeper.index.remote(), timeout=30)
+            except Exception:  # its node is going: its copies are not reachable
+                pass
+        best = snapshot_keeper.newest_complete(indexes, plan.world_size, layout,
+                                               not_before=disk.iteration if disk else 0)
+        if best is None and any(indexes.values()):
+            log.info("no complete in-memory snapshot for this group (layout %s, at or after "
+                     "iteration %d) in %d keeper(s): restoring from %s", layout,
+                     disk.iteration if disk else 0, len(indexes), disk.path if disk else "scratch")
+        return best
+
+    best = snapshot.agree(propose, dist.new_group(backend="gloo"))
+    if best is None:
+        return None
+    iteration, sources = best
+    fetch = _no_fetch
+    if rank < plan.world_size:  # a spare restores nothing
+        here = ray.get_runtime_context().get_node_id()
+        source = here if here in sources[rank] else sources[rank][0]
+        ref = snapshot_keeper.keepers(token, [source])[source].get.remote(rank, iteration)
+        fetch = lambda: ray.get(ref)  # noqa: E731 - the transfer runs meanwhile
+    nodes = tuple(sorted({n for held in sources.values() for n in held}))
+    return snapshot.MemoryPoint(iteration, nodes, fetch, origin=checkpoint.origin(cfg, disk))
+
+
+def _no_fetch() -> bytes:
+    raise RuntimeError("a spare worker restores no snapshot")
+
+
+def _snapshotter(cfg: RunConfig, plan: Plan, token: str,
+                 backend: devices.Backend) -> snapshot.Snapshotter:
+    """This rank's snapshots go to its node's keeper and a replica to the next node's."""
+    from ray_ppu.preflight import ppu_nodes
+
+    here = ray.get_runtime_context().get_node_id()
+    found = snapshot_keeper.keepers(token, [n["NodeID"] for n in ppu_nodes(
+        cfg.cluster.resource_name)])
+    if here not in found:  # a node that joined after the launch: its keeper belongs to us
+        found[here] = snapshot_keeper.start(token, [here])[0]
+    peer = snapshot_keeper.replica_of(here, list(found))
+    targets = [found[here]] + ([found[peer]] if peer else [])
+    rank, layout = dist.get_rank(), snapshot.layout_of(plan)
+
+    def send(iteration: int, blob: bytes) -> None:
+        ref = ray.put(blob)  # once; each keeper copies it into its own memory
+        ray.get([k.put.remote(rank, iteration, layout, len(blob), ref) for k in targets])
+
+    interval = cfg.checkpoint.memory_interval
+    if rank == 0 and interval is not None:
+        log.info("in-memory snapshots every %d iteration(s)%s", interval,
+                 "" if peer else "; one node only: they cover worker crashes, a node loss "
+                 "falls back to disk")
+    return snapshot.Snapshotter(send, interval, with_cuda=backend == "ppu",
+                                cpu_device=backend == "cpu",
+                                group=dist.new_group(backend="gloo"), replica=peer is not None)
 
 
 def _streams(readers: dict, cfg: RunConfig, plan: Plan, rank: int, start_iteration: int):

@@ -107,8 +107,12 @@ def last_logged_iteration(metrics_file: str | Path, before: float) -> Optional[i
 
 
 def restart_row(history: list[Failure], resumed_at: int, resumed_from: Optional[str],
-                metrics_file: str | Path, first_iteration_done: float) -> dict:
+                metrics_file: str | Path, first_iteration_done: float,
+                restored_from: Optional[str] = None) -> dict:
     """The metrics row (and log line) of the restart after ``history[-1]``.
+
+    ``resumed_from``: the checkpoint's name, or ``memory:<nodes>`` for an in-memory snapshot;
+    ``restored_from``: ``"memory"``, ``"disk"`` or None (from scratch).
 
     ``iterations_lost``: iterations logged before the failure that the group trains again
     (logged ones only: with ``log_interval`` > 1 up to ``log_interval - 1`` more were lost).
@@ -123,6 +127,7 @@ def restart_row(history: list[Failure], resumed_at: int, resumed_from: Optional[
         "cause": failure.cause,
         "failed_ranks": list(failure.ranks),
         "resumed_from": resumed_from,
+        "restored_from": restored_from,
         "iterations_lost": max(0, (last or 0) - resumed_at),
         "recovery_s": first_iteration_done - failure.detected_at,
     }

@@ -18,6 +18,7 @@ from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices.specs import peak_tflops
 from ray_ppu.metrics import MetricsWriter, SampleLog
 from ray_ppu.plan import Plan
+from ray_ppu.snapshot import MemoryPoint, Snapshotter, restore
 
 log = logging.getLogger("ray_ppu")
 
@@ -36,6 +37,7 @@ def run(
     interruption: Optional[Callable[[int], Optional[str]]] = None,
     on_metrics: Optional[Callable[[dict], None]] = None,
     startup: Optional[dict] = None,
+    snapshots: Optional[Snapshotter] = None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
@@ -48,6 +50,8 @@ def run(
     ``interruption(iteration)``: asked after every iteration on every rank, the same answer on
     all: None, ``"save"`` (a node is being drained) or ``"stop"`` (the job is being stopped).
     ``on_metrics(row)``: every logged row, on every rank (Ray's metrics export).
+    ``resume``: a disk checkpoint or an in-memory snapshot (``ray_ppu.snapshot.MemoryPoint``);
+    ``snapshots``: takes this rank's in-memory snapshots after the iterations (Ray only).
     ``startup``: seconds per start-up phase so far (the launcher's); rank 0 of a first group
     adds the model build, the first batch's wait and the first step, and logs them once, after
     the first training row (a ``start`` row in metrics.jsonl and a ``start: …`` line).
@@ -100,7 +104,8 @@ def run(
     root = checkpoint.save_root(cfg)
     saver = checkpoint.Saver(root, plan, cfg, with_cuda_rng=backend == "ppu",
                              async_save=cfg.checkpoint.async_save,
-                             origin=checkpoint.origin(cfg, resume))
+                             origin=resume.origin if isinstance(resume, MemoryPoint)
+                             else checkpoint.origin(cfg, resume))
 
     def saving(step: Callable[[], list]) -> None:
         """Run a save step (start, poll, wait); log, report and keep what it completed,
@@ -129,12 +134,16 @@ def run(
         nonlocal restart_pending
         timeline.setdefault("first_step_done", time.perf_counter())
         saving(saver.poll)  # background saves whose writers finished
+        if snapshots is not None:
+            snapshots.after(done, model, optimizer, scheduler)
         if samples is not None and sample_ids is not None:
             samples.write(done, sample_ids)
         if restart_pending and writer is not None:  # the restarted group's first iteration
             writer.write(recovery.restart_row(
                 list(failures), start_iteration, Path(resume.path).name if resume else None,
-                writer.dir / "metrics.jsonl", time.time()))
+                writer.dir / "metrics.jsonl", time.time(),
+                restored_from=None if resume is None
+                else "memory" if isinstance(resume, MemoryPoint) else "disk"))
         restart_pending = False
         action = interruption(done) if interruption is not None else None
         if action and writer is not None:
@@ -149,28 +158,7 @@ def run(
             model, _ = build_model(cfg, plan, backend, initialize=resume is None
                                    and not cfg.checkpoint.pretrained)
             optimizer, scheduler = build_optimizer(cfg, plan, model)
-            if resume is not None:
-                start = time.perf_counter()
-                loaded = checkpoint.load(resume, model, optimizer, scheduler, plan, cfg)
-                if loaded != start_iteration:  # the data would not be the data of that point
-                    raise checkpoint.CheckpointError(
-                        f"loaded {resume.path} at iteration {loaded}, but the data stream "
-                        f"starts at iteration {start_iteration}")
-                if rank0:
-                    log.info("loaded %s%s in %.1f s: training continues at iteration %d",
-                             resume.path, " (weights only)" if resume.weights_only else "",
-                             time.perf_counter() - start, loaded)
-            elif cfg.checkpoint.pretrained:
-                from ray_ppu.hf.weights import load_pretrained
-
-                took = load_pretrained(model, cfg.checkpoint.pretrained, cfg.model,
-                                       plan.padded_vocab_size)
-                optimizer.reload_model_params()  # its fp32 main copies still hold the init
-                if rank0:
-                    log.info("loaded Hugging Face weights from %s in %.1f s (rank 0 read "
-                             "%.2f GB)", cfg.checkpoint.pretrained, took["seconds"],
-                             took["bytes_read"] / 1e9)
-
+            _load_state(cfg, plan, resume, start_iteration, model, optimizer, scheduler, rank0)
             if rank0:  # after the load: the resume decision was made before this group began
                 checkpoint.remove_incomplete(root)
             timeline["model_ready"] = time.perf_counter()
@@ -189,10 +177,43 @@ def run(
             saving(saver.wait)  # background saves finish (and are reported) before returning
             return {**logged, **final, **counts}
         finally:
+            if snapshots is not None:
+                snapshots.close()
             parallel.destroy()
             for out in (writer, samples):
                 if out is not None:
                     out.close()
+
+
+def _load_state(cfg: RunConfig, plan: Plan, resume, start_iteration: int, model: list,
+                optimizer, scheduler, rank0: bool) -> None:
+    """Where the group starts: an in-memory snapshot, a disk checkpoint (both checked against
+    the data stream's first iteration), or for a fresh run ``checkpoint.pretrained``."""
+    started = time.perf_counter()
+    if isinstance(resume, MemoryPoint):
+        loaded = restore(resume, model, optimizer, scheduler)
+    elif resume is not None:
+        loaded = checkpoint.load(resume, model, optimizer, scheduler, plan, cfg)
+    elif cfg.checkpoint.pretrained:
+        from ray_ppu.hf.weights import load_pretrained
+
+        took = load_pretrained(model, cfg.checkpoint.pretrained, cfg.model,
+                               plan.padded_vocab_size)
+        optimizer.reload_model_params()  # its fp32 main copies still hold the init
+        if rank0:
+            log.info("loaded Hugging Face weights from %s in %.1f s (rank 0 read %.2f GB)",
+                     cfg.checkpoint.pretrained, took["seconds"], took["bytes_read"] / 1e9)
+        return
+    else:
+        return
+    if loaded != start_iteration:  # the data would not be the data of that point
+        raise checkpoint.CheckpointError(
+            f"loaded {resume.path} at iteration {loaded}, but the data stream starts at "
+            f"iteration {start_iteration}")
+    if rank0:
+        log.info("loaded %s%s in %.1f s: training continues at iteration %d", resume.path,
+                 " (weights only)" if resume.weights_only else "",
+                 time.perf_counter() - started, loaded)
 
 
 def _log_startup(writer: MetricsWriter, iteration: int, startup: dict, timeline: dict,

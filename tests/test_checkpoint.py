@@ -130,6 +130,7 @@ def test_stream_start_is_recorded_from_the_resume_point(tmp_path):
     ("checkpoint.save_interval=0", "save_interval=0"),
     ("checkpoint.keep_last=0", "keep_last=0"),
     ("checkpoint.finetune=true", "needs checkpoint.load"),
+    ("checkpoint.memory_interval=-1", "memory_interval=-1"),
 ])
 def test_bad_checkpoint_settings(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -284,7 +285,9 @@ def kill_a_worker_after(meta_file: Path, killed: list):
 @pytest.fixture(scope="module")
 def interrupted(ray_cluster, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("interrupted")
-    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=1")
+    # the disk path: no in-memory snapshots (test_killed_worker_restores_from_memory has them)
+    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=1",
+                        "checkpoint.memory_interval=0")
     killed: list = []
     final, _ = launch_while(cfg, plan, kill_a_worker_after(
         checkpoint.save_root(cfg) / "iter_0000004" / checkpoint.META_FILE, killed))
@@ -317,6 +320,57 @@ def test_interrupted_run_resumes_exactly(uninterrupted, interrupted):
     for key in [5, 6, 7, 8, ("valid", 4), ("valid", 8)]:
         assert got[key] == pytest.approx(ref[key], abs=1e-6), key
     assert ref[8] < ref[1] - 0.5  # and the reference did train
+
+
+def kill_a_worker_at(metrics_file: Path, iteration: int, killed: list):
+    """A ``launch_while`` action: SIGKILL one training worker once rank 0 has logged
+    ``iteration`` (and the snapshot after it has had a moment to reach the keepers)."""
+
+    def action(stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                logged = [json.loads(line).get("iteration") for line in
+                          metrics_file.read_text().splitlines() if '"lm_loss"' in line]
+            except (FileNotFoundError, json.JSONDecodeError):
+                logged = []
+            if iteration in logged:
+                time.sleep(0.5)
+                workers = _train_workers()
+                if workers:
+                    workers[0].kill()
+                    killed.append(workers[0].pid)
+                    return
+            time.sleep(0.01)
+
+    return action
+
+
+@pytest.mark.slow
+def test_killed_worker_restores_from_memory(ray_cluster, corpus, tmp_path, uninterrupted):
+    """A worker killed after iteration 5 with no disk checkpoint yet (saves only at the end):
+    the restarted group restores the in-memory snapshot of iteration 5 from the keeper (none
+    of a checkpoint file to read), loses no iteration, and trains on exactly the samples and
+    to the losses of the uninterrupted run."""
+    out = tmp_path / "memory"
+    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=1",
+                        "checkpoint.save_interval=null", "checkpoint.memory_interval=1")
+    killed: list = []
+    final, _ = launch_while(cfg, plan, kill_a_worker_at(out / "metrics.jsonl", 5, killed))
+    assert killed, "no worker was killed: the interruption did not happen"
+    record = json.loads((checkpoint.save_root(cfg) / checkpoint.STREAM_START_FILE).read_text())
+    assert record["checkpoint"].startswith("memory:") and record["iteration"] >= 5, record
+    # the only checkpoint ever written is the one at the end: the restore read none
+    assert [p.name for p in checkpoint.checkpoint_dirs(checkpoint.save_root(cfg))] == [
+        "iter_0000008"]
+    rows = _rows(out)
+    (restart,) = [r for r in rows if r.get("event") == "restart"]
+    assert restart["restored_from"] == "memory" and restart["iterations_lost"] <= 1, restart
+    assert final["iteration"] == ITERS and final["restarts"] == 1
+    ref, got = uninterrupted["curve"], _curve(rows)
+    for key in range(record["iteration"] + 1, ITERS + 1):
+        assert got[key] == pytest.approx(ref[key], abs=1e-6), key
+    expected = {i: list(range((i - 1) * 4, i * 4)) for i in range(1, ITERS + 1)}
+    assert read_sample_log(cfg.output.dir) == expected
 
 
 @pytest.mark.slow

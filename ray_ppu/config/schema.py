@@ -335,6 +335,12 @@ class CheckpointConfig:
     this many seconds (or a second signal) they are aborted instead. ``ray job stop`` itself
     kills the driver RAY_JOB_STOP_WAIT_TIME_S (default 3) after its SIGTERM: raise it on the
     cluster to cover a save."""
+    memory_interval: Optional[int] = None
+    """Iterations between in-memory snapshots of the full training state (Ray only): each
+    rank's shard goes to a keeper process on its node and a replica to one on the next node,
+    and a restarted group of the same layout restores from the newest complete one instead of
+    from disk. None = every iteration, or as often as keeps a snapshot within 2 % of the step
+    (measured on the first one; the log says what it chose); 0 = off."""
     save_on_preemption: bool = True
     """When Ray reports that a node of the run is being drained (spot reclaim, maintenance),
     save a checkpoint at the end of the current iteration and keep training (Ray Train then

@@ -1,0 +1,117 @@
+"""In-memory snapshots: which snapshot a restarted group takes (ray_ppu.snapshot_keeper), the
+keepers as real Ray actors, and a snapshot taken and restored on a real Megatron-Core model and
+distributed optimizer (ray_ppu.snapshot). The end-to-end restore after a killed worker is
+test_checkpoint.py::test_killed_worker_restores_from_memory."""
+
+import pytest
+
+from ray_ppu import snapshot_keeper as keeper
+
+LAYOUT = (2, 1, 1, 1, 2, 1)
+
+
+def test_the_newest_snapshot_every_rank_has_is_chosen():
+    # node a holds rank 0's snapshots, node b rank 1's and (as a's replica) rank 0's of 7
+    indexes = {"a": {0: {6: LAYOUT, 7: LAYOUT}}, "b": {1: {5: LAYOUT, 6: LAYOUT}, 0: {7: LAYOUT}}}
+    assert keeper.newest_complete(indexes, 2, LAYOUT) == (6, {0: ["a"], 1: ["b"]})
+    # rank 1's copy of 7 arrives: 7 is complete, rank 0's from either node
+    indexes["b"][1][7] = LAYOUT
+    assert keeper.newest_complete(indexes, 2, LAYOUT) == (7, {0: ["a", "b"], 1: ["b"]})
+
+
+def test_no_snapshot_of_another_layout_or_older_than_the_disk_checkpoint():
+    other = (2, 2, 1, 1, 1, 1)
+    indexes = {"a": {0: {6: other}, 1: {6: other}}}
+    assert keeper.newest_complete(indexes, 2, LAYOUT) is None
+    indexes = {"a": {0: {6: LAYOUT}, 1: {6: LAYOUT}}}
+    assert keeper.newest_complete(indexes, 2, LAYOUT, not_before=7) is None
+    assert keeper.newest_complete(indexes, 2, LAYOUT, not_before=6)[0] == 6
+    # a rank whose copies are all lost (its node and its replica's node): none complete
+    assert keeper.newest_complete({"a": {0: {6: LAYOUT}}}, 2, LAYOUT) is None
+
+
+def test_replicas_go_round_a_ring_of_nodes():
+    assert keeper.replica_of("b", ["c", "a", "b"]) == "c"
+    assert keeper.replica_of("c", ["c", "a", "b"]) == "a"
+    assert keeper.replica_of("a", ["a"]) is None  # one node: the copy stays there
+
+
+def test_keeper_holds_the_newest_two_per_rank_and_imports_no_torch(ray_cluster):
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    (handle,) = keeper.start("test-keeper", [node])
+    try:
+        for iteration in (1, 2, 3):
+            ray.get(handle.put.remote(0, iteration, LAYOUT, 3, b"ab" + bytes([iteration])))
+        assert ray.get(handle.index.remote()) == {0: {2: LAYOUT, 3: LAYOUT}}
+        assert ray.get(handle.get.remote(0, 3)) == b"ab\x03"
+        with pytest.raises(ray.exceptions.RayTaskError, match="2 bytes arrived of 5"):
+            ray.get(handle.put.remote(1, 3, LAYOUT, 5, b"ab"))  # never held
+        assert 1 not in ray.get(handle.index.remote())
+        assert keeper.keepers("test-keeper", [node, "gone"]) == {node: handle}
+        modules = ray.get(handle.modules.remote())
+        assert "ray" in modules and "torch" not in modules and "megatron" not in modules
+    finally:
+        ray.kill(handle)
+
+
+def _step(model, optimizer, scheduler, seed):
+    """One optimizer step on random gradients (what a training step leaves behind)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    for chunk in model:
+        for param in chunk.parameters():
+            param.main_grad.copy_(torch.randn(param.shape, generator=generator))
+    optimizer.step()
+    scheduler.step(increment=8)
+
+
+def _flat(state) -> list:
+    """Every tensor and number of a captured state, in order."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [x for k in sorted(state, key=str) for x in _flat(state[k])]
+    if isinstance(state, (list, tuple)):
+        return [x for v in state for x in _flat(v)]
+    return [state]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_snapshot_restores_the_whole_training_state(precision):
+    """Model weights, the distributed optimizer's fp32 main parameters and Adam state, the
+    schedule and the RNG, captured after a step and restored after another step changed all
+    of them: the restored state is the captured one, value for value."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from ray_ppu import snapshot
+    from ray_ppu.optim import build_optimizer
+    from test_options import built
+
+    with built(f"training.precision={precision}") as (cfg, plan, model, optimizer):
+        optimizer, scheduler = build_optimizer(cfg, plan, model)
+        _step(model, optimizer, scheduler, seed=1)
+        taken = snapshot.capture(1, model, optimizer, scheduler, with_cuda=False)
+        blob = snapshot.serialize(taken)
+        _step(model, optimizer, scheduler, seed=2)
+        random.random(), torch.rand(3)  # the RNG moves on too
+        moved = _flat(snapshot.capture(2, model, optimizer, scheduler, False)["model"])
+        assert not all(torch.equal(a, b) for a, b in zip(_flat(taken["model"]), moved)
+                       if isinstance(a, torch.Tensor))
+        point = snapshot.MemoryPoint(1, ("node",), lambda: blob)
+        assert snapshot.restore(point, model, optimizer, scheduler) == 1
+        again = snapshot.capture(1, model, optimizer, scheduler, with_cuda=False)
+        for want, got in zip(_flat(taken), _flat(again), strict=True):
+            if isinstance(want, torch.Tensor):
+                assert want.dtype == got.dtype and torch.equal(want, got)
+            elif isinstance(want, np.ndarray):  # NumPy's RNG state
+                assert np.array_equal(want, got)
+            elif not isinstance(want, float) or want == want:  # NaN-free numbers compare
+                assert want == got
