@@ -294,7 +294,7 @@ def _drain_and_wait_for_a_save(address: str, node_id: str, out: Path, events: di
         time.sleep(0.05)
 
 
-PPU_NODE = {"num_cpus": 1, "resources": {"PPU": 1}}  # a simulated node: one worker's worth
+PPU_NODE = {"num_cpus": 2, "resources": {"PPU": 1}}  # a simulated node: one worker + its reader
 
 
 def simulated_cluster(ppu_nodes: int, head_cpus: int):

@@ -88,7 +88,9 @@ def _connect(cfg: RunConfig) -> bool:
 
 
 def check_capacity(cfg: RunConfig) -> None:
-    """Fail at once, with what each node has, if the cluster lacks the PPUs for this run."""
+    """Fail at once, with what each node has, if the cluster lacks the PPUs for this run, or
+    the CPUs beside them: a worker takes ``cluster.cpus_per_worker`` and the node's readers
+    ``data.reader_cpus`` each, and a group that cannot be placed would only time out."""
     c = cfg.cluster
     workers = c.min_workers or c.num_workers  # elastic: the run starts with what fits
     need = workers * c.ppu_per_worker
@@ -104,6 +106,26 @@ def check_capacity(cfg: RunConfig) -> None:
             f"{need:g} {c.resource_name}, but the cluster has {have:g} ({listing}); "
             f"lower cluster.num_workers or add nodes started with --resources='{{\"{c.resource_name}\": 16}}'"
         )
+    slots, short = 0, []
+    for n in nodes:
+        ppus = n["Resources"].get(c.resource_name, 0)
+        if not ppus:
+            continue
+        by_ppu = int(ppus // c.ppu_per_worker) if c.ppu_per_worker else workers
+        readers = _readers_per_node(cfg, ppus) * cfg.data.reader_cpus
+        cpus = n["Resources"].get("CPU", 0) - readers
+        by_cpu = int(cpus // c.cpus_per_worker) if c.cpus_per_worker else by_ppu
+        slots += min(by_ppu, by_cpu)
+        if by_cpu < by_ppu:
+            short.append(f"{n['NodeManagerAddress']}/{n['NodeID'][:8]}: {ppus:g} "
+                         f"{c.resource_name}, {n['Resources'].get('CPU', 0):g} CPU of which the "
+                         f"readers take {readers:g}: room for {max(by_cpu, 0)} worker(s)")
+    if slots < workers:
+        raise ClusterError(
+            f"the run needs {workers} workers × {c.cpus_per_worker:g} CPU "
+            f"(cluster.cpus_per_worker) beside their {c.resource_name}, but the PPU nodes hold "
+            f"{slots}: " + "; ".join(short) + "; lower cluster.cpus_per_worker or "
+            f"data.reader_cpus, or start the nodes with more --num-cpus")
 
 
 def _readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:

@@ -115,3 +115,16 @@ def test_a_node_that_does_not_answer_in_time_is_named(ray_cluster, corpus, tmp_p
                                            r"\(cluster\.placement_timeout_s\)"):
         preflight.check(cfg)
     assert time.monotonic() - start < 5
+
+
+def test_workers_without_cpus_beside_their_ppus_are_refused_at_once(ray_cluster, corpus,
+                                                                    tmp_path):
+    """4 workers × 3 CPU on the test cluster's one node of 4 PPU and 8 CPU (1 of them the
+    reader's 0.5): the group could never be placed, so the launch says so before it waits."""
+    from ray_ppu.launcher import ClusterError, check_capacity
+
+    cfg = config(corpus, tmp_path, "cluster.num_workers=4", "cluster.cpus_per_worker=3")
+    with pytest.raises(ClusterError, match=r"4 workers × 3 CPU .* holds 2: .*4 PPU, 8 CPU of "
+                                           r"which the readers take 0.5: room for 2 worker"):
+        check_capacity(cfg)
+    check_capacity(config(corpus, tmp_path, "cluster.num_workers=4", "cluster.cpus_per_worker=1"))
