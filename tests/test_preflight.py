@@ -124,7 +124,7 @@ def test_workers_without_cpus_beside_their_ppus_are_refused_at_once(ray_cluster,
     from ray_ppu.launcher import ClusterError, check_capacity
 
     cfg = config(corpus, tmp_path, "cluster.num_workers=4", "cluster.cpus_per_worker=3")
-    with pytest.raises(ClusterError, match=r"4 workers × 3 CPU .* holds 2: .*4 PPU, 8 CPU of "
+    with pytest.raises(ClusterError, match=r"4 workers × 3 CPU .* hold 2: .*4 PPU, 8 CPU of "
                                            r"which the readers take 0.5: room for 2 worker"):
         check_capacity(cfg)
     check_capacity(config(corpus, tmp_path, "cluster.num_workers=4", "cluster.cpus_per_worker=1"))
