@@ -251,6 +251,7 @@ def recovery_overrides(corpus: str, out: Path, *extra: str) -> list[str]:
         "training.eval_interval=4", "training.eval_iters=1", "data.split=80,20,0",
         "model.make_vocab_size_divisible_by=64", "cluster.num_workers=2",
         f"checkpoint.save_interval={RECOVERY_SAVE_INTERVAL}", "cluster.max_failures=2",
+        "checkpoint.memory_interval=1",  # the case: a snapshot after every iteration
         "output.sample_log=true", *extra,
     ]
 
@@ -700,6 +701,10 @@ def recovery(args) -> dict:
         "last_iteration_before_loss": last_before,
         "resumed_from_iteration": resumed_at,
         "iterations_lost": last_before - resumed_at,
+        "restored_from": next((r.get("restored_from") for r in rows
+                               if r.get("event") == "restart"), None),
+        "snapshot_blocking_s": (statistics.median(b) if (b := [
+            r["snapshot_blocking_s"] for r in train if "snapshot_blocking_s" in r]) else None),
         "detect_line": (re.sub(r"\x1b\[[0-9;]*m", "", detect_line[1])[:200] if detect_line
                         else "(stream_start.json mtime)"),
     }
@@ -722,7 +727,12 @@ def recovery(args) -> dict:
     figures["save_best_Bps"] = max(save_rates) if save_rates else None  # least disturbed save
     write, read = raw_disk_speed(Path(res["root"]), ckpt_bytes)
     figures.update(raw_write_Bps=write, raw_read_Bps=read)
+    figures["save_vs_raw_write"] = (figures["save_Bps"] / write
+                                    if figures["save_Bps"] and write else None)
     res["figures"] = figures
+    # the headline figures at the top level too
+    res.update({k: figures[k] for k in ("recovery_s", "iterations_lost", "restored_from",
+                                        "snapshot_blocking_s", "save_vs_raw_write")})
     _print_recovery(figures, res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
@@ -741,7 +751,7 @@ def _print_recovery(f: dict, res: dict) -> None:
     if "drain_to_saved_s" in f:
         print(f"\ndrain notice → checkpoint at iteration {f['drain_saved_iteration']} "
               f"{sec(f['drain_to_saved_s'])}; then the node was removed")
-    lost_ok = f["iterations_lost"] <= RECOVERY_SAVE_INTERVAL
+    lost_ok = f["iterations_lost"] <= 1
     print(f"\nnode loss → first completed iteration after it (tiny model, DP 2, "
           f"{'SIGKILL' if res.get('hard') else 'node removed'}):")
     print(f"  detection (loss → Ray Train notices)     {sec(f['detection_s'])}"
@@ -750,13 +760,17 @@ def _print_recovery(f: dict, res: dict) -> None:
           f"   (restart attempted +{sec(f['restart_attempt_after_detection_s']).strip()},"
           f" group started +{sec(f['group_started_after_detection_s']).strip()},"
           f" then workers build the model until the load starts)")
-    print(f"  checkpoint load                          {sec(f['checkpoint_load_s'])}")
+    print(f"  restore from {f['restored_from'] or 'scratch':<8}                    "
+          f"{sec(f['checkpoint_load_s'])}")
     print(f"  first step                               {sec(f['first_step_s'])}")
-    print(f"  total recovery                           {sec(rec)}   target ≤ 30 s: "
-          f"{'OK' if rec is not None and rec <= 30 else 'MISSED'}")
-    print(f"  iterations lost  {f['last_iteration_before_loss']} reached − checkpoint "
-          f"{f['resumed_from_iteration']} = {f['iterations_lost']}   target ≤ save interval "
-          f"{RECOVERY_SAVE_INTERVAL}: {'OK' if lost_ok else 'MISSED'}")
+    print(f"  total recovery                           {sec(rec)}   target ≤ 10 s: "
+          f"{'OK' if rec is not None and rec <= 10 else 'MISSED'}")
+    print(f"  iterations lost  {f['last_iteration_before_loss']} reached − restored "
+          f"{f['resumed_from_iteration']} = {f['iterations_lost']}   target ≤ 1: "
+          f"{'OK' if lost_ok else 'MISSED'}")
+    if f["snapshot_blocking_s"] is not None:
+        print(f"  in-memory snapshot: training blocked {1e3 * f['snapshot_blocking_s']:.1f} ms "
+              f"per snapshot (median)")
     print(f"checkpoint {f['checkpoint_bytes'] / 1e6:.1f} MB; save times {f['save_times_s']} s "
           f"(logged to 0.1 s)")
     print(f"  save  {mbs(f['save_Bps']):>14}  (median) vs raw write (fsync) {mbs(f['raw_write_Bps'])}"

@@ -86,13 +86,22 @@ def _copy(value):
 
 
 def capture(iteration: int, model: list, optimizer, scheduler, with_cuda: bool) -> dict:
-    """This rank's training state after ``iteration``, copied (training may go on)."""
+    """This rank's training state after ``iteration``, copied (training may go on).
+
+    With ``overlap_param_gather`` the weights outside this rank's optimizer shard are still
+    the previous iteration's here (the next forward gathers them); only the shard matters: a
+    restored model gathers every weight from the shards at its first forward (or validation)
+    as the uninterrupted run does. Main parameters that are views of the weights (fp32 with
+    the distributed optimizer) are not copied twice: the weights restore them.
+    """
+    weights = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
     optimizers = []
     for opt in _optimizers(optimizer):
         inner = opt.optimizer
         scaler = getattr(opt, "grad_scaler", None)
         optimizers.append({
-            "mains": [p.detach().to("cpu", copy=True)
+            "mains": [None if p.untyped_storage().data_ptr() in weights
+                      else p.detach().to("cpu", copy=True)
                       for group in inner.param_groups for p in group["params"]],
             "inner": _copy(inner.state_dict()),
             "grad_scaler": _copy(scaler.state_dict()) if scaler is not None else None,
@@ -123,7 +132,8 @@ def restore(point: MemoryPoint, model: list, optimizer, scheduler) -> int:
         mains = [p for group in opt.optimizer.param_groups for p in group["params"]]
         with torch.no_grad():  # the exact fp32 main values, not ones rebuilt from the weights
             for main, value in zip(mains, saved["mains"], strict=True):
-                main.copy_(value)
+                if value is not None:  # None: a view of the weights, restored with them
+                    main.copy_(value)
         opt.optimizer.load_state_dict(saved["inner"])
         if saved["grad_scaler"] is not None:
             opt.grad_scaler.load_state_dict(saved["grad_scaler"])

@@ -92,6 +92,9 @@ def run(
             metrics = {**metrics, "mfu": metrics["tflops_per_device"] / peak,
                        "restarts": counts["restarts"], "world_size": plan.world_size,
                        "data_parallel_size": plan.data_parallel_size}
+            if snapshots is not None and snapshots.blocking_s:  # the latest in-memory one
+                metrics.update(snapshot_blocking_s=snapshots.blocking_s[-1],
+                               snapshot_interval=snapshots.interval)
             logged.update(metrics)
         if writer is not None:
             writer.write(metrics)
