@@ -193,6 +193,7 @@ def _memory_point(cfg: RunConfig, plan: Plan, token: str,
         here = ray.get_runtime_context().get_node_id()
         source = here if here in sources[rank] else sources[rank][0]
         ref = snapshot_keeper.keepers(token, [source])[source].get.remote(rank, iteration)
+        ray.wait([ref], timeout=0, fetch_local=True)  # start pulling it here now
         fetch = lambda: ray.get(ref)  # noqa: E731 - the transfer runs meanwhile
     nodes = tuple(sorted({n for held in sources.values() for n in held}))
     return snapshot.MemoryPoint(iteration, nodes, fetch, origin=checkpoint.origin(cfg, disk))
