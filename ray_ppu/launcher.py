@@ -28,7 +28,7 @@ import ray.train
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import checkpoint, devices, ray_worker, snapshot_keeper
+from ray_ppu import checkpoint, devices, ray_worker, snapshot_keeper, watchdog
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
@@ -240,6 +240,9 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             os.environ[_START_TIMEOUT_ENV] = f"{cfg.cluster.group_start_timeout_s:g}"
         trainer = build_trainer(cfg, plan, backend, reader_info, token=token, phases=phases)
         graceful.training = True
+        hangs = (watchdog.Watchdog(checkpoint.save_root(cfg), token, cfg.cluster.hang_timeout_s,
+                                   plan.eval_iters).start()
+                 if cfg.cluster.hang_timeout_s != 0 else None)
         try:
             result = trainer.fit()
         except SystemExit:  # Ray Train's SIGINT handler aborts the workers, then exits
@@ -247,6 +250,8 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         finally:
             graceful.training = False
             graceful.stop_file.unlink(missing_ok=True)
+            if hangs is not None:
+                hangs.stop()
         if result.error is not None:
             raise result.error
         final = result.return_value or {}

@@ -389,6 +389,9 @@ def build_plan(cfg: RunConfig) -> Plan:
                else f"train_iters − lr_warmup_iters for SFT" if sft else "train_iters")
         problems.append(f"lr_warmup_iters {warmup} must be below lr_decay_iters {decay} ({how}): "
                         f"the schedule warms up, then decays; lower the warmup or train longer")
+    if cfg.cluster.hang_timeout_s is not None and cfg.cluster.hang_timeout_s < 0:
+        problems.append(f"cluster.hang_timeout_s {cfg.cluster.hang_timeout_s:g}: expected > 0, "
+                        f"0 for no hang detection, or null for a timeout from the step time")
     if t.min_lr > t.lr:  # Megatron's scheduler asserts max_lr >= min_lr
         problems.append(f"min_lr {t.min_lr:g} is above lr {t.lr:g}: the schedule decays to min_lr")
     problems += _data_problems(cfg)

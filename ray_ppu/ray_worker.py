@@ -20,7 +20,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from ray_ppu import checkpoint, devices, recovery, snapshot, snapshot_keeper
+from ray_ppu import checkpoint, devices, recovery, snapshot, snapshot_keeper, watchdog
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import reader_pool
 from ray_ppu.data.order import valid_start, valid_steps
@@ -145,10 +145,18 @@ def train_worker(payload: dict) -> dict:
     # setup: ours (Megatron-Core's model code: 2.4 s), where to start, the data streams
     phases = {**payload["phases"], "group": group_started - payload["fit_called_at"],
               "setup": time.time() - group_started}
-    final = worker.run(cfg, plan, backend, device_id, batches, valid_batches, start_iteration,
-                       resume, on_checkpoint=_report_checkpoint,
-                       failures=recovery.failures(root, token), interruption=interruption,
-                       on_metrics=exported, startup=phases, snapshots=snapshots)
+    beacon = (watchdog.Beacon(root, token, dist.get_rank(), plan.world_size,
+                              ray.get_runtime_context().get_node_id())
+              if cfg.cluster.hang_timeout_s != 0 else None)
+    try:
+        final = worker.run(cfg, plan, backend, device_id, batches, valid_batches,
+                           start_iteration, resume, on_checkpoint=_report_checkpoint,
+                           failures=recovery.failures(root, token), interruption=interruption,
+                           on_metrics=exported, startup=phases, snapshots=snapshots,
+                           progress=beacon)
+    finally:
+        if beacon is not None:
+            beacon.close()
     if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
         (root / f"{_FINISHED}{token}").touch()
     return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}

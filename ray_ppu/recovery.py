@@ -59,7 +59,8 @@ def record_failure(root: str | Path, token: str, errors: dict) -> Failure:
     Never raises: it runs in Ray Train's controller, which must go on restarting the group
     even when the record cannot be written (a full disk); the restart then goes unreported.
     """
-    failure = Failure(token=token, detected_at=time.time(), cause=cause_of(errors),
+    failure = Failure(token=token, detected_at=time.time(),
+                      cause=_take_hang(root, token) or cause_of(errors),
                       ranks=tuple(sorted(errors)))
     path = Path(root) / FAILURES_FILE
     try:
@@ -70,6 +71,26 @@ def record_failure(root: str | Path, token: str, errors: dict) -> Failure:
         log.warning("could not record the failure in %s (%s): the restart will not be "
                     "reported", path, err)
     return failure
+
+
+HANG_FILE = "hang_{token}.json"
+
+
+def record_hang(root: str | Path, token: str, cause: str) -> None:
+    """The driver's watchdog declared a hang (``ray_ppu.watchdog``): the controller's record
+    of the failure that follows (the stalled workers' deaths) takes this as its cause."""
+    path = Path(root) / HANG_FILE.format(token=token)
+    path.write_text(json.dumps({"cause": cause, "time": time.time()}))
+
+
+def _take_hang(root: str | Path, token: str) -> Optional[str]:
+    path = Path(root) / HANG_FILE.format(token=token)
+    try:
+        cause = json.loads(path.read_text())["cause"]
+    except (OSError, ValueError, KeyError):
+        return None
+    path.unlink(missing_ok=True)
+    return cause
 
 
 def failures(root: str | Path, token: str) -> list[Failure]:

@@ -38,6 +38,7 @@ def run(
     on_metrics: Optional[Callable[[dict], None]] = None,
     startup: Optional[dict] = None,
     snapshots: Optional[Snapshotter] = None,
+    progress=None,
 ) -> dict:
     """Train this rank; returns the last logged metrics (identical on every rank).
 
@@ -52,6 +53,7 @@ def run(
     ``on_metrics(row)``: every logged row, on every rank (Ray's metrics export).
     ``resume``: a disk checkpoint or an in-memory snapshot (``ray_ppu.snapshot.MemoryPoint``);
     ``snapshots``: takes this rank's in-memory snapshots after the iterations (Ray only).
+    ``progress``: told of every iteration and save (``ray_ppu.watchdog.Beacon``).
     ``startup``: seconds per start-up phase so far (the launcher's); rank 0 of a first group
     adds the model build, the first batch's wait and the first step, and logs them once, after
     the first training row (a ``start`` row in metrics.jsonl and a ``start: …`` line).
@@ -139,6 +141,8 @@ def run(
         saving(saver.poll)  # background saves whose writers finished
         if snapshots is not None:
             snapshots.after(done, model, optimizer, scheduler)
+        if progress is not None:
+            progress.after(done)
         if samples is not None and sample_ids is not None:
             samples.write(done, sample_ids)
         if restart_pending and writer is not None:  # the restarted group's first iteration
@@ -168,6 +172,8 @@ def run(
 
             def on_save(iteration: int, metrics: dict) -> None:
                 tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
+                if progress is not None:  # a save may take longer than an iteration
+                    progress.saving(iteration)
                 saving(lambda: saver.save(iteration, model, optimizer, scheduler, tag=tag))
                 # async: the state is staged and training goes on (sync: already complete)
                 tag["blocked_s"] = time.perf_counter() - tag["started"]

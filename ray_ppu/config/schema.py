@@ -296,6 +296,11 @@ class ClusterConfig:
     """Embedded local Ray only: PPU units to advertise (0 = num_workers × ppu_per_worker)."""
     max_failures: int = 0
     """Worker-group restarts Ray Train attempts after a failure (-1 = unlimited)."""
+    hang_timeout_s: Optional[float] = None
+    """A group that completes no iteration for this long is failed as hung (the stalled ranks'
+    stacks logged, the processes killed; Ray Train restarts it as after a crash:
+    ``ray_ppu.watchdog``). None: max(120 s, 10 × the median step, a validation pass), 30 min
+    during a save; 0: off."""
     placement_timeout_s: float = 30.0
     """How long to wait for the cluster to show enough PPU before failing."""
 
