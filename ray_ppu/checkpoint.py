@@ -52,7 +52,6 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ray_ppu.config.loader import ConfigError
 from ray_ppu.config.schema import RunConfig
@@ -561,6 +560,15 @@ def _agree_saved(path: Path, iteration: int, error: Optional[str]) -> None:
         f"failed to write {path} (rank {min(failed)}: {'; '.join(causes)[:500]})", iteration)
 
 
+def _save_errors() -> tuple:
+    """What a failed save raises: any Exception, and torch's CheckpointException (a
+    BaseException). Imported when a save fails, not with this module: torch.distributed
+    .checkpoint costs the driver 1.3 s, and the driver never saves."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
 class Saver:
     """Writes a run's checkpoints; collective: every rank calls the same methods in order.
 
@@ -624,7 +632,7 @@ class Saver:
         try:  # a full disk, a lost mount: any write error (torch's is a BaseException)
             request = dist_checkpointing.save(state, str(path), sharded_strategy=strategy,
                                               async_sharded_save=self.queue is not None)
-        except (Exception, CheckpointException) as err:
+        except _save_errors() as err:
             error = _write_error(err)
         if self.queue is None or error is not None:
             return [self._complete(path, iteration, tag, error, optimizer is None)]
@@ -639,7 +647,7 @@ class Saver:
             return []
         try:
             finished = self.queue.maybe_finalize_async_calls(blocking=blocking)
-        except (Exception, CheckpointException) as err:
+        except _save_errors() as err:
             # Megatron finalizes in order and raises on every rank: the oldest one failed
             path, iteration, tag, _, weights_only = self.pending.pop(min(self.pending))
             return [self._complete(path, iteration, tag, _write_error(err), weights_only)]

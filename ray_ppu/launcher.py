@@ -191,6 +191,8 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers:
             failure_config=FailureConfig(max_failures=c.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
             callbacks=[FailureRecorder(root, token)],
+            # the training code imports from the moment each worker process starts
+            worker_runtime_env={"worker_process_setup_hook": "ray_ppu.train_controller.preimport"},
         ),
     )
 
@@ -232,7 +234,7 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     owned: list = []  # the actors this launch owns (the readers): they outlive the groups
     try:
         check_capacity(cfg)
-        backend, reader_info = _prepare(cfg, plan, spec, token, resume, phases, owned)
+        cfg, backend, reader_info = _prepare(cfg, plan, spec, token, resume, phases, owned)
         # Ray Train passes this from the driver to its controller: how long a new worker group
         # may take to start before the controller decides again (elastic: after a node loss
         # it may first try the old size while Ray still counts the lost node).
@@ -310,9 +312,10 @@ def _alive_train_helpers() -> bool:
 
 def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
              resume: Optional[checkpoint.ResumePoint], phases: dict, owned: list):
-    """The preflight, the data (indices or SFT rows) and the readers, overlapped; returns the
-    device backend and what the workers need to reach the readers (their handles go into
-    ``owned`` as they start: the driver owns them)."""
+    """The preflight, the data (indices or SFT rows) and the readers, overlapped, and the
+    snapshots' keepers; returns ``cfg`` (without snapshots when the nodes lack the memory),
+    the device backend and what the workers need to reach the readers (their handles and the
+    keepers' go into ``owned`` as they start: the driver owns them)."""
     from ray_ppu import preflight
 
     sft = isinstance(spec, sft_store.SFTSpec)
@@ -335,9 +338,14 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
     readers = reader_pool.start(source, token, [n["NodeID"] for n in nodes], per_node,
                                 cfg.data.reader_cpus)  # their processes start meanwhile
     owned += readers
-    if cfg.checkpoint.memory_interval != 0:  # the in-memory snapshots' keepers, one per node
-        owned += snapshot_keeper.start(token, [n["NodeID"] for n in nodes])
-    backend = _backend(preflight.check(cfg))
+    checked = preflight.check(cfg)
+    backend = _backend(checked)
+    if cfg.checkpoint.memory_interval != 0:
+        if _snapshots_fit(cfg, plan, checked, nodes):
+            owned += snapshot_keeper.start(token, [n["NodeID"] for n in nodes])  # one per node
+        else:  # the workers take none either
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+                cfg.checkpoint, memory_interval=0))
     phases["preflight"] = time.perf_counter() - started
     if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
         rows = _as_config_error(sft_store.prepare, spec)
@@ -365,7 +373,30 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
     reader_pool.read_ahead(readers, per_node, first)
     log.info("readers: %d per PPU node on %d node(s), reading the first %d iteration(s) of "
              "%s ahead", per_node, len(nodes), ahead, " and ".join(starts))
-    return backend, reader_info
+    return cfg, backend, reader_info
+
+
+def _snapshots_fit(cfg: RunConfig, plan: Plan, checked: dict, nodes: list[dict]) -> bool:
+    """Whether every PPU node has the host memory its in-memory snapshots take (the memory
+    plan's ``snapshot_host_gib`` × its PPUs, within 80 % of what it has available); if not,
+    the run keeps durable checkpoints only and says so. (Without keepers the workers find
+    none and take no snapshots.)"""
+    from ray_ppu.memory import memory_plan
+
+    per_device = memory_plan(cfg, plan).snapshot_host_gib
+    available = {r["node_id"]: r.get("host_available_gib") for r in checked["nodes"]}
+    short = []
+    for n in nodes:
+        ppus = n["Resources"].get(cfg.cluster.resource_name, 0)
+        need, have = per_device * min(ppus, plan.world_size), available.get(n["NodeID"])
+        if have is not None and need > 0.8 * have:
+            short.append(f"{n['NodeManagerAddress']}/{n['NodeID'][:8]} needs {need:.1f} GiB, "
+                         f"has {have:.1f} available")
+    if short:
+        log.warning("in-memory snapshots off: the nodes lack the host memory for them ("
+                    + "; ".join(short) + "); restarts load the durable checkpoints "
+                    "(checkpoint.memory_interval=0 silences this)")
+    return not short
 
 
 def _starting_point(cfg: RunConfig, plan: Plan):

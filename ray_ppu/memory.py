@@ -28,6 +28,7 @@ from ray_ppu.devices.specs import SPECS
 from ray_ppu.megatron_settings import uses_transformer_engine
 
 GIB = 1024 ** 3
+SNAPSHOT_COPIES = 5  # 2 kept + 2 replicas (ray_ppu.snapshot_keeper.KEEP) + 1 in flight
 HEADROOM = 0.9  # share of device memory the plan may fill
 
 
@@ -49,6 +50,12 @@ class MemoryPlan:
     activations_gib: float
     total_gib: float
     fits: bool  # total ≤ 90 % of the device
+    snapshot_gib: float = 0.0
+    """One in-memory snapshot of this device's state (weights, main parameters, Adam)."""
+    snapshot_host_gib: float = 0.0
+    """Host memory the snapshots of this device take on the nodes: the keepers hold the newest
+    2 per rank and a replica of each on another node, plus the copy in flight (× 5; × 3 on
+    one node). Per node: this × the node's PPUs."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -165,6 +172,7 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
     for stage, params in stages.items():
         per_chunk, in_flight, unit = _activation_bytes(cfg, plan, te, stage)
         optimizer = params * optimizer_per_param / shards
+        snapshot = params * param_bytes + optimizer  # weights + main copies and Adam's shard
         activations = per_chunk * in_flight + unit
         total = params * (param_bytes + 4) + optimizer * (1 - offload) + activations
         candidate = MemoryPlan(
@@ -182,6 +190,8 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
             activations_gib=activations / GIB,
             total_gib=total / GIB,
             fits=total / GIB <= HEADROOM * device_gib,
+            snapshot_gib=snapshot / GIB,
+            snapshot_host_gib=snapshot * SNAPSHOT_COPIES / GIB,
         )
         if best is None or candidate.total_gib > best.total_gib:
             best = candidate

@@ -194,7 +194,18 @@ def node_check(checks: dict) -> dict:
         problems.append("the run asks for options only Transformer Engine provides: "
                         + "; ".join(needs) + f"; but {why}")
     return {"problems": [p for p in problems if p], **facts,
+            "host_available_gib": _host_available_gib(),
             "seconds": round(time.perf_counter() - started, 3)}
+
+
+def _host_available_gib() -> Optional[float]:
+    """Host memory available on this node now (the in-memory snapshots' budget)."""
+    try:
+        import psutil  # a Ray dependency
+
+        return psutil.virtual_memory().available / 1024 ** 3
+    except Exception:  # pragma: no cover - no psutil, or no /proc
+        return None
 
 
 # --- on the driver ----------------------------------------------------------------------------

@@ -36,15 +36,26 @@ def test_restart_row_counts_lost_iterations_and_recovery_time(tmp_path):
     rows.append({"iteration": 4, "valid_lm_loss": 1.0, "time": 99.0})  # not a training row
     rows.append({"iteration": 5, "lm_loss": 1.0, "time": 130.0})  # the restarted group's
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    row = recovery.restart_row([failure, failure], 4, "iter_0000004", metrics, 112.5)
+    row = recovery.restart_row([failure, failure], 4, "iter_0000004", metrics, 112.5,
+                               restored_from="disk")
     assert row == {"event": "restart", "iteration": 4, "restarts": 2, "cause": "rank 1: X",
                    "failed_ranks": [1], "resumed_from": "iter_0000004",
-                   "iterations_lost": 7 - 4, "recovery_s": 12.5}
+                   "restored_from": "disk", "iterations_lost": 7 - 4, "recovery_s": 12.5}
     assert recovery.restart_line(row) == (
         "restart 2 after rank 1: X: resumed at iteration 4 from iter_0000004, 3 iteration(s) "
         "lost, first iteration done 12.5 s after the failure was detected")
     # nothing logged past the checkpoint: nothing lost
     assert recovery.restart_row([failure], 7, None, metrics, 101.0)["iterations_lost"] == 0
+
+
+def test_a_declared_hang_is_the_cause_of_the_failure_that_follows(tmp_path):
+    """The driver's watchdog writes the hang's cause; the controller's record of the stalled
+    workers' deaths takes it (once), so the restart row says why the group was failed."""
+    recovery.record_hang(tmp_path, "t", "hang: no iteration completed for 12 s; rank 1 …")
+    first = recovery.record_failure(tmp_path, "t", {1: RuntimeError("actor died")})
+    second = recovery.record_failure(tmp_path, "t", {0: RuntimeError("actor died")})
+    assert first.cause.startswith("hang: no iteration completed for 12 s")
+    assert second.cause == "rank 0: RuntimeError: actor died"
 
 
 def test_the_controllers_callback_imports_no_torch(tmp_path):

@@ -115,3 +115,31 @@ def test_a_snapshot_restores_the_whole_training_state(precision):
                 assert np.array_equal(want, got)
             elif not isinstance(want, float) or want == want:  # NaN-free numbers compare
                 assert want == got
+
+
+def test_snapshots_need_the_host_memory_the_plan_says(caplog):
+    """The memory plan prices a device's snapshot (7B preset, TP 2 × DP 8, bf16: weights and
+    the DP shard of main parameters and Adam) and the launch turns snapshots off, saying so,
+    on a node that lacks five times that per PPU."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.launcher import _snapshots_fit
+    from ray_ppu.memory import GIB, memory_plan
+    from ray_ppu.plan import build_plan
+
+    cfg = load(None, ["model.preset=7B", "cluster.num_workers=16", "training.train_iters=10",
+                      "parallel.tensor_model_parallel_size=2", "training.precision=bf16",
+                      "training.global_batch_size=64", "data.data_path=[x]"])
+    plan = build_plan(cfg)
+    mem = memory_plan(cfg, plan)
+    params = mem.parameters_gib * GIB / 2  # bf16 weights: 2 bytes each
+    assert mem.snapshot_gib == pytest.approx((params * 2 + params * 12 / 8) / GIB)
+    assert mem.snapshot_host_gib == pytest.approx(5 * mem.snapshot_gib)
+    node = {"NodeID": "n1", "NodeManagerAddress": "10.0.0.1", "Resources": {"PPU": 16}}
+    need = 16 * mem.snapshot_host_gib
+
+    def checked(available):
+        return {"nodes": [{"node_id": "n1", "host_available_gib": available}]}
+
+    assert _snapshots_fit(cfg, plan, checked(2 * need), [node])
+    assert not _snapshots_fit(cfg, plan, checked(need), [node])
+    assert f"10.0.0.1/n1 needs {need:.1f} GiB, has {need:.1f} available" in caplog.text
