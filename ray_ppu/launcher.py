@@ -191,8 +191,6 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers:
             failure_config=FailureConfig(max_failures=c.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.checkpoint.keep_last),
             callbacks=[FailureRecorder(root, token)],
-            # the training code imports from the moment each worker process starts
-            worker_runtime_env={"worker_process_setup_hook": "ray_ppu.train_controller.preimport"},
         ),
     )
 
