@@ -203,7 +203,9 @@ def _launch(cfg, plan):
 def uninterrupted_run(corpus, out) -> dict:
     """The reference: 8 iterations on 2 workers (DP 2), saving every 4, nothing going wrong.
     Meanwhile the node's Prometheus endpoint is scraped for the run's exported metrics."""
-    cfg, plan = _config(corpus, out, "cluster.num_workers=2")
+    # in-memory snapshots at the automatic interval: the reference also shows that taking
+    # them changes nothing (the restores compare with it) and exercises the choice
+    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "checkpoint.memory_interval=null")
     scraped: list[str] = []
     final, _ = launch_while(cfg, plan, scrape_ray_metrics(out.name, scraped))
     rows = _rows(out)
@@ -343,6 +345,17 @@ def kill_a_worker_at(metrics_file: Path, iteration: int, killed: list):
             time.sleep(0.01)
 
     return action
+
+
+@pytest.mark.slow
+def test_the_snapshot_interval_is_chosen_once_for_all_ranks(uninterrupted):
+    """With checkpoint.memory_interval unset, the first snapshot is timed and one interval
+    chosen (an all-reduce over the ranks): the training rows after the choice carry it and
+    the blocking time of the latest snapshot."""
+    rows = [r for r in uninterrupted["rows"] if "snapshot_interval" in r]
+    assert rows and all(r["snapshot_blocking_s"] > 0 for r in rows), rows
+    chosen = {r["snapshot_interval"] for r in rows if r["snapshot_interval"] is not None}
+    assert len(chosen) == 1 and min(chosen) >= 1, chosen
 
 
 @pytest.mark.slow

@@ -37,6 +37,9 @@ def overrides(corpus, out, *extra):
         # 151936 is a multiple of 64 × TP for TP ≤ 2: the padded vocabulary, hence the
         # initial weights, are the same at TP 1 and TP 2.
         "model.make_vocab_size_divisible_by=64",
+        # no in-memory snapshots unless a test is about them (test_snapshots, the restores in
+        # test_checkpoint / test_watchdog): on 2 cores their copies slow every run down
+        "checkpoint.memory_interval=0",
         *extra,
     ]
 
