@@ -267,13 +267,14 @@ def launch_while(cfg, plan, action) -> tuple[dict, list[str]]:
         thread.join()
 
 
-def kill_a_worker_after(meta_file: Path, killed: list):
-    """A ``launch_while`` action: SIGKILL one training worker as soon as ``meta_file`` exists
-    (the checkpoint is complete): the group dies in the middle of the iterations after it."""
+def kill_a_worker_when(ready, killed: list, delay_s: float = 0.0):
+    """A ``launch_while`` action: SIGKILL one training worker as soon as ``ready()`` holds
+    (``delay_s`` later)."""
 
     def action(stop: threading.Event) -> None:
         while not stop.is_set():
-            if meta_file.exists():
+            if ready():
+                time.sleep(delay_s)
                 workers = _train_workers()
                 if workers:
                     workers[0].kill()
@@ -282,6 +283,12 @@ def kill_a_worker_after(meta_file: Path, killed: list):
             time.sleep(0.01)
 
     return action
+
+
+def kill_a_worker_after(meta_file: Path, killed: list):
+    """SIGKILL one training worker as soon as ``meta_file`` exists (the checkpoint is
+    complete): the group dies in the middle of the iterations after it."""
+    return kill_a_worker_when(meta_file.exists, killed)
 
 
 @pytest.fixture(scope="module")
@@ -324,27 +331,19 @@ def test_interrupted_run_resumes_exactly(uninterrupted, interrupted):
     assert ref[8] < ref[1] - 0.5  # and the reference did train
 
 
+def _logged(metrics_file: Path, iteration: int) -> bool:
+    """Rank 0 has logged training ``iteration``."""
+    try:
+        return iteration in [json.loads(line).get("iteration") for line in
+                             metrics_file.read_text().splitlines() if '"lm_loss"' in line]
+    except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a line being written
+        return False
+
+
 def kill_a_worker_at(metrics_file: Path, iteration: int, killed: list):
-    """A ``launch_while`` action: SIGKILL one training worker once rank 0 has logged
-    ``iteration`` (and the snapshot after it has had a moment to reach the keepers)."""
-
-    def action(stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                logged = [json.loads(line).get("iteration") for line in
-                          metrics_file.read_text().splitlines() if '"lm_loss"' in line]
-            except (FileNotFoundError, json.JSONDecodeError):
-                logged = []
-            if iteration in logged:
-                time.sleep(1.0)
-                workers = _train_workers()
-                if workers:
-                    workers[0].kill()
-                    killed.append(workers[0].pid)
-                    return
-            time.sleep(0.01)
-
-    return action
+    """SIGKILL one training worker once rank 0 has logged ``iteration`` (and the snapshot
+    after it has had a moment to reach the keepers)."""
+    return kill_a_worker_when(lambda: _logged(metrics_file, iteration), killed, delay_s=1.0)
 
 
 @pytest.mark.slow

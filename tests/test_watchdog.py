@@ -72,7 +72,7 @@ def test_sigstopped_worker_restarts_the_group_exactly(ray_cluster, corpus, unint
     """One worker of a DP 2 run is frozen (SIGSTOP) after iteration 5: within hang_timeout_s
     + 15 s the group is failed, restarted from the in-memory snapshot, and trains the
     uninterrupted run's losses; the restart row names the hang and the frozen rank."""
-    from test_checkpoint import _config, _curve, _rows, _train_workers, launch_while
+    from test_checkpoint import _config, _curve, _logged, _rows, _train_workers, launch_while
 
     out = tmp_path_factory.mktemp("hang")
     timeout = 10
@@ -81,9 +81,7 @@ def test_sigstopped_worker_restarts_the_group_exactly(ray_cluster, corpus, unint
     stopped: dict = {}
 
     def freeze(stop: threading.Event) -> None:
-        metrics = out / "metrics.jsonl"
-        while not stop.is_set() and not (metrics.exists() and '"iteration": 5,' in
-                                         metrics.read_text()):
+        while not stop.is_set() and not _logged(out / "metrics.jsonl", 5):
             time.sleep(0.05)
         time.sleep(0.5)
         workers = _train_workers()
