@@ -170,14 +170,11 @@ def _memory_point(cfg: RunConfig, plan: Plan, token: str,
     checkpoint ``disk``, or None. Rank 0 asks the launch's keepers and decides
     (:func:`ray_ppu.snapshot_keeper.newest_complete`); every rank takes its answer and starts
     fetching its own copy (its node's keeper first) while the model is built."""
-    from ray_ppu.preflight import ppu_nodes
-
     layout = snapshot.layout_of(plan)
     rank = dist.get_rank()
 
     def propose():
-        found = snapshot_keeper.keepers(token, [n["NodeID"] for n in ppu_nodes(
-            cfg.cluster.resource_name)])
+        found = _keepers(cfg, token)
         indexes = {}
         for node_id, keeper in found.items():
             try:
@@ -207,6 +204,14 @@ def _memory_point(cfg: RunConfig, plan: Plan, token: str,
     return snapshot.MemoryPoint(iteration, nodes, fetch, origin=checkpoint.origin(cfg, disk))
 
 
+def _keepers(cfg: RunConfig, token: str) -> dict:
+    """``{node_id: keeper}`` of this launch on the PPU nodes still alive."""
+    from ray_ppu.preflight import ppu_nodes
+
+    return snapshot_keeper.keepers(token, [n["NodeID"] for n in ppu_nodes(
+        cfg.cluster.resource_name)])
+
+
 def _no_fetch() -> bytes:
     raise RuntimeError("a spare worker restores no snapshot")
 
@@ -214,11 +219,8 @@ def _no_fetch() -> bytes:
 def _snapshotter(cfg: RunConfig, plan: Plan, token: str,
                  backend: devices.Backend) -> snapshot.Snapshotter:
     """This rank's snapshots go to its node's keeper and a replica to the next node's."""
-    from ray_ppu.preflight import ppu_nodes
-
     here = ray.get_runtime_context().get_node_id()
-    found = snapshot_keeper.keepers(token, [n["NodeID"] for n in ppu_nodes(
-        cfg.cluster.resource_name)])
+    found = _keepers(cfg, token)
     if here not in found:  # a node that joined after the launch: its keeper belongs to us
         found[here] = snapshot_keeper.start(token, [here])[0]
     peer = snapshot_keeper.replica_of(here, list(found))
@@ -229,12 +231,7 @@ def _snapshotter(cfg: RunConfig, plan: Plan, token: str,
         ref = ray.put(blob)  # once; each keeper copies it into its own memory
         ray.get([k.put.remote(rank, iteration, layout, len(blob), ref) for k in targets])
 
-    interval = cfg.checkpoint.memory_interval
-    if rank == 0 and interval is not None:
-        log.info("in-memory snapshots every %d iteration(s)%s", interval,
-                 "" if peer else "; one node only: they cover worker crashes, a node loss "
-                 "falls back to disk")
-    return snapshot.Snapshotter(send, interval, with_cuda=backend == "ppu",
+    return snapshot.Snapshotter(send, cfg.checkpoint.memory_interval, with_cuda=backend == "ppu",
                                 cpu_device=backend == "cpu",
                                 group=dist.new_group(backend="gloo"), replica=peer is not None)
 

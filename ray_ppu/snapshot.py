@@ -42,6 +42,7 @@ log = logging.getLogger("ray_ppu")
 
 BUDGET = 0.02  # of the step time, for the automatic interval
 CALIBRATION_STEPS = 3  # steps timed (after the first of the group) before choosing it
+ONE_NODE = "; one node only: they cover worker crashes, a node loss falls back to disk"
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,9 @@ class Snapshotter:
         self.blocking_s: list[float] = []  # per snapshot: the training thread's wait
         self.sent = 0
         self.failed = 0  # snapshots a keeper did not take
+        if interval is not None and dist.get_rank() == 0:
+            log.info("in-memory snapshots every %d iteration(s)%s", interval,
+                     "" if replica else ONE_NODE)
 
     def after(self, iteration: int, model: list, optimizer, scheduler) -> None:
         now = time.perf_counter()
@@ -222,8 +226,7 @@ class Snapshotter:
                      "within %.0f %% of the step%s", interval, cost * 1e3, step * 1e3,
                      100 * cost / step, float(figures[2]) * 1e3, float(figures[3]) * 1e3,
                      ", whose CPU time counts on a CPU device" if self.cpu_device else "",
-                     100 * BUDGET, "" if self.replica else
-                     "; one node only: they cover worker crashes, a node loss falls back to disk")
+                     100 * BUDGET, "" if self.replica else ONE_NODE)
         return interval
 
     def close(self) -> None:

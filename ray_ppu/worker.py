@@ -198,23 +198,22 @@ def _load_state(cfg: RunConfig, plan: Plan, resume, start_iteration: int, model:
                 optimizer, scheduler, rank0: bool) -> None:
     """Where the group starts: an in-memory snapshot, a disk checkpoint (both checked against
     the data stream's first iteration), or for a fresh run ``checkpoint.pretrained``."""
+    if resume is None:
+        if cfg.checkpoint.pretrained:
+            from ray_ppu.hf.weights import load_pretrained
+
+            took = load_pretrained(model, cfg.checkpoint.pretrained, cfg.model,
+                                   plan.padded_vocab_size)
+            optimizer.reload_model_params()  # its fp32 main copies still hold the init
+            if rank0:
+                log.info("loaded Hugging Face weights from %s in %.1f s (rank 0 read %.2f GB)",
+                         cfg.checkpoint.pretrained, took["seconds"], took["bytes_read"] / 1e9)
+        return
     started = time.perf_counter()
     if isinstance(resume, MemoryPoint):
         loaded = restore(resume, model, optimizer, scheduler)
-    elif resume is not None:
-        loaded = checkpoint.load(resume, model, optimizer, scheduler, plan, cfg)
-    elif cfg.checkpoint.pretrained:
-        from ray_ppu.hf.weights import load_pretrained
-
-        took = load_pretrained(model, cfg.checkpoint.pretrained, cfg.model,
-                               plan.padded_vocab_size)
-        optimizer.reload_model_params()  # its fp32 main copies still hold the init
-        if rank0:
-            log.info("loaded Hugging Face weights from %s in %.1f s (rank 0 read %.2f GB)",
-                     cfg.checkpoint.pretrained, took["seconds"], took["bytes_read"] / 1e9)
-        return
     else:
-        return
+        loaded = checkpoint.load(resume, model, optimizer, scheduler, plan, cfg)
     if loaded != start_iteration:  # the data would not be the data of that point
         raise checkpoint.CheckpointError(
             f"loaded {resume.path} at iteration {loaded}, but the data stream starts at "
