@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.config.loader import ConfigError  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError  # noqa: E402
 from ray_ppu.errors import report_before_group  # noqa: E402
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KB|MB|GB)?$", re.IGNORECASE)
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
                              args.max_shard_size)
             if not summary["tokenizer"]:
                 print("note: no tokenizer files copied (pass --tokenizer DIR)", file=sys.stderr)
-    except ConfigError as err:
+    except UserError as err:
         if grouped:  # in the process group: maybe this rank's own problem
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -42,9 +42,11 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.config.loader import ConfigError, from_dict  # noqa: E402
+from ray_ppu.config.loader import from_dict  # noqa: E402
+from ray_ppu.errors import ConfigError  # noqa: E402
 from ray_ppu.config.presets import PRESETS  # noqa: E402
 from ray_ppu.plan import Plan, build_plan  # noqa: E402
+from ray_ppu.errors import MigrationError  # noqa: F401 (also imported from here)
 
 ARGUMENTS = (
     "ENV", "MODEL_SIZE", "BATCH_SIZE", "GLOBAL_BATCH_SIZE", "LR", "MIN_LR", "SEQ_LEN", "PAD_LEN",
@@ -84,10 +86,6 @@ PROBLEM_WORDS = {
     "num_attention_heads": "model.preset", "num_query_groups": "model.preset",
     "max_position_embeddings": "model.preset", "training length": "training.train_iters",
 }
-
-
-class MigrationError(ValueError):
-    """The launch cannot be migrated; the message names the script argument at fault."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.config.loader import ConfigError  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError  # noqa: E402
 from ray_ppu.errors import report_before_group  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         cfg, plan = inference.inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)),
                                                args.tp, args.pp, precision=precision,
                                                device=backend)
-    except (ConfigError, RuntimeError) as err:
+    except (UserError, RuntimeError) as err:
         return report_before_group(err)
     stop = (tokenizer.eod,) if tokenizer is not None else ()
 

@@ -21,9 +21,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.config.loader import ConfigError, load  # noqa: E402
+from ray_ppu.config.loader import load  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError  # noqa: E402
 from ray_ppu.data import idxmap  # noqa: E402
-from ray_ppu.data.checks import CorpusError  # noqa: E402
 from ray_ppu.data.order import rank_sample_ids  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
 from ray_ppu.run import absolute_paths  # noqa: E402
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         if args.split == "valid" and not spec.valid_samples:
             raise ConfigError("--split valid: the config runs no validation (training.eval_iters=0)")
         idxmap.prepare(spec)
-    except (ConfigError, CorpusError) as err:
+    except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     tokenizer = None

@@ -21,7 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.config.loader import ConfigError, load  # noqa: E402
+from ray_ppu.config.loader import load  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
 from ray_ppu.run import absolute_paths, prepare_output  # noqa: E402
 
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
             return 2
         return 0
 
-    from ray_ppu.data.checks import CorpusError
-    from ray_ppu.launcher import ClusterError, connect, launch, shutdown
+    from ray_ppu.launcher import connect, launch, shutdown
 
     started = False
     try:
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             build_demo_corpus(Path(cfg.data.data_path[0]).parent)
         prepare_output(cfg, plan)
         final = launch(cfg, plan)
-    except (ConfigError, ClusterError, CorpusError) as err:
+    except UserError as err:  # config, cluster, corpus, checkpoint: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -53,10 +53,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data.order import consumed_samples, valid_start
 from ray_ppu.util.fs import atomic_write_text
+from ray_ppu.util.wrappers import unwrap
+from ray_ppu.errors import CheckpointError  # noqa: F401 (also imported from here)
 
 log = logging.getLogger("ray_ppu")
 
@@ -70,10 +72,6 @@ FORMAT_VERSION = 1
 OPTIMIZER_FORMAT = "dp_reshardable"
 _DIR_PATTERN = re.compile(r"^iter_(\d{7,})(?:_(\d+))?$")
 _warned: set = set()
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used the way the run asks (found before or while loading)."""
 
 
 @dataclass(frozen=True)
@@ -428,15 +426,6 @@ def _align_param_group_index_map(optimizer) -> None:
                      *zip(opt.model_float16_groups[g], float16_mains[g])]
             for model_param, main_param in pairs:
                 index[model_param] = (g, position[id(main_param)])
-
-
-def unwrap(chunk):
-    """The GPTModel inside Megatron's DDP wrapper: DDP has no sharded_state_dict of its own,
-    so the default one would prefix every key with ``module.``; GPTModel's keys are Megatron's
-    canonical ones (``decoder.layers.…``), the ones other Megatron tools read."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:

@@ -1,4 +1,10 @@
-"""Errors raised inside Ray tasks and actors, brought back as the user's own error.
+"""The errors a user can fix, and the way they are brought back from Ray tasks.
+
+Every problem with the user's input (config, cluster, corpus, checkpoint, preprocessing input,
+migration script) is a :class:`UserError`: the entry points catch that one class and print its
+message as one ``error:`` line (exit status 2) instead of a traceback. Each subclass keeps the
+builtin base it always had (``ValueError`` / ``RuntimeError``), so callers that catch those still
+do. This module imports nothing of ours, so any module can raise these without an import cycle.
 
 An exception raised in a Ray task or actor reaches the caller as a ``RayTaskError`` (also an
 instance of the cause's class) whose text is the whole remote traceback, often wrapped again
@@ -9,6 +15,50 @@ from __future__ import annotations
 
 import re
 from typing import Optional
+
+class UserError(Exception):
+    """A problem the user fixes (input, config, cluster); its message says what and where."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration problem found before any worker starts."""
+
+
+class ClusterError(UserError, RuntimeError):
+    """The cluster cannot run the requested job (found before any worker is placed)."""
+
+
+class CorpusError(UserError, ValueError):
+    """One or more idxmap corpora are unusable; the message has one line per problem."""
+
+
+class BlendError(UserError, ValueError):
+    """``data_path`` is neither prefixes nor Megatron's ``[weight, prefix, ...]`` blend."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint cannot be used the way the run asks (found before or while loading)."""
+
+
+class TransformerEngineMissing(UserError, RuntimeError):
+    """The config asks for options only Transformer Engine provides, and it is not here."""
+
+
+class MigrationError(UserError, ValueError):
+    """The launch cannot be migrated; the message names the script argument at fault."""
+
+
+class PreprocessError(UserError, ValueError):
+    """Bad preprocessing input: no such file, a malformed file, or a record ``--strict`` rejects."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        # Ray appends its retry advice to args when the error crosses from a worker; keep ours.
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
 
 # Ray Data appends retry advice to a read error's message: not the user's.
 _RETRY_ADVICE = re.compile(r"\nFailed to .* after \d+/\d+ attempts.*", re.S)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ray_ppu import checkpoint, devices, parallel
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 from ray_ppu.config.schema import (
     ClusterConfig,
     DataConfig,

@@ -29,12 +29,13 @@ from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from ray_ppu import checkpoint, devices, ray_worker, snapshot_keeper, watchdog
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
 from ray_ppu.data.order import valid_start, valid_steps
 from ray_ppu.plan import ParallelDims, Plan
 from ray_ppu.train_controller import FailureRecorder
+from ray_ppu.errors import ClusterError  # noqa: F401 (also imported from here)
 
 log = logging.getLogger("ray_ppu")
 
@@ -45,10 +46,6 @@ UNIT_INSTANCE_RESOURCES = "neuron_cores,TPU,NPU,HPU,RBLN,FURIOSA,TTNPU,MBLT,PPU"
 
 _START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 _ENV_AT_IMPORT = frozenset(os.environ)
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot run the requested job (found before any worker is placed)."""
 
 
 _connected_in_s = 0.0  # how long this process's connect() took (the start line's "ray")
@@ -424,7 +421,7 @@ def _starting_point(cfg: RunConfig, plan: Plan):
 
 def _as_config_error(fn, *args):
     """Bad data found while preparing it is the user's to fix: a ConfigError, not a traceback."""
-    from ray_ppu.data.preprocess import PreprocessError
+    from ray_ppu.errors import PreprocessError
 
     try:
         return fn(*args)

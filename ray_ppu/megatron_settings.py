@@ -4,8 +4,7 @@
 ``OptimizerConfig`` from these dicts, and ``--dry-run`` prints the same dicts, so what a user
 reads before renting 16 PPU is what the workers construct. No torch here: dtypes are names.
 
-Which settings need Transformer Engine (TE) is decided here too (:func:`needs_transformer_engine`):
-a run asking for one where TE cannot run is an error naming the option, never a silent fallback.
+Which settings need Transformer Engine is decided in :mod:`ray_ppu.te_options`.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
+from ray_ppu.memory import offload_fraction
+from ray_ppu.te_options import uses_transformer_engine
 
 # Precision → the dtype parameters are kept and computed in (fp8 keeps bf16 parameters; TE casts
 # the GEMM inputs to fp8 with delayed scaling).
@@ -23,29 +24,6 @@ def _precision(precision: str) -> dict:
     """The precision switches both TransformerConfig and OptimizerConfig carry."""
     return dict(bf16=precision in ("bf16", "fp8"), fp16=precision == "fp16",
                 params_dtype=PARAMS_DTYPE[precision])
-
-
-def needs_transformer_engine(cfg: RunConfig) -> list[str]:
-    """The options of ``cfg`` only Transformer Engine provides, each named as the user set it."""
-    t, mem, p = cfg.training, cfg.memory, cfg.parallel
-    needs = []
-    if t.precision == "fp8":
-        needs.append("training.precision=fp8 (FP8 GEMMs)")
-    if t.attention_backend in ("flash", "fused", "unfused"):
-        needs.append(f"training.attention_backend={t.attention_backend} (a TE attention kernel)")
-    if mem.activation_offload_layers:
-        needs.append(f"memory.activation_offload_layers={mem.activation_offload_layers} "
-                     f"(TE's CPU offload context)")
-    if p.context_parallel_size > 1:
-        needs.append(f"parallel.context_parallel_size={p.context_parallel_size} (Megatron-Core's "
-                     f"local attention refuses CP > 1)")
-    return needs
-
-
-def uses_transformer_engine(cfg: RunConfig, te_available: bool) -> bool:
-    """TE layers (TE spec) unless the config asks for Megatron-Core's local attention or TE is
-    not there; ``auto`` takes TE where it imports."""
-    return te_available and cfg.training.attention_backend != "local"
 
 
 def overlap(cfg: RunConfig) -> dict[str, bool]:
@@ -160,8 +138,6 @@ def optimizer_settings(cfg: RunConfig, offload_fraction: Optional[float] = None)
 def describe(cfg: RunConfig, plan, te: bool = True) -> dict:
     """The three Megatron-Core configs and the layer spec, for ``--dry-run`` (``te``: whether
     the target devices have Transformer Engine; PPU and GPU images do)."""
-    from ray_ppu.memory import offload_fraction
-
     return {
         "layer_spec": "transformer_engine" if uses_transformer_engine(cfg, te) else "local",
         "TransformerConfig": transformer_settings(cfg, plan, uses_transformer_engine(cfg, te)),

@@ -25,7 +25,7 @@ from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices.specs import SPECS
-from ray_ppu.megatron_settings import uses_transformer_engine
+from ray_ppu.te_options import uses_transformer_engine
 
 GIB = 1024 ** 3
 SNAPSHOT_COPIES = 5  # 2 kept + 2 replicas (ray_ppu.snapshot_keeper.KEEP) + 1 in flight

@@ -20,13 +20,10 @@ from megatron.core.transformer.transformer_block import (
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices import Backend, transformer_engine_error
-from ray_ppu.megatron_settings import (
-    ddp_settings,
-    needs_transformer_engine,
-    transformer_settings,
-    uses_transformer_engine,
-)
+from ray_ppu.errors import TransformerEngineMissing
+from ray_ppu.megatron_settings import ddp_settings, transformer_settings
 from ray_ppu.plan import Plan
+from ray_ppu.te_options import needs_transformer_engine, uses_transformer_engine
 
 
 def transformer_engine_available(backend: Backend) -> bool:
@@ -58,10 +55,6 @@ def local_block_spec(config: TransformerConfig, vp_stage: Optional[int]) -> Tran
     layer.submodules.pre_mlp_layernorm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
                                       layer_norm=RMSNorm)
-
-
-class TransformerEngineMissing(RuntimeError):
-    """The config asks for options only Transformer Engine provides, and it is not here."""
 
 
 def _transformer_engine_layers(cfg: RunConfig, backend: Backend) -> bool:

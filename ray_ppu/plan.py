@@ -12,8 +12,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 from ray_ppu.config.schema import RunConfig
+from ray_ppu.te_options import needs_transformer_engine
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,6 @@ def _sft_problems(cfg: RunConfig) -> list[str]:
 def _option_problems(cfg: RunConfig, layers_per_chunk: Optional[int]) -> list[str]:
     """Precision, recompute and offload switches that cannot go together, or need Transformer
     Engine where the run cannot have it (``cluster.device=cpu``)."""
-    from ray_ppu.megatron_settings import needs_transformer_engine
 
     mem, t, p = cfg.memory, cfg.training, cfg.parallel
     problems = []

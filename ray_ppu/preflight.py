@@ -11,7 +11,7 @@ One small Ray task per alive node that advertises ``cluster.resource_name``, pin
   exist and can be listed; ``checkpoint.pretrained``'s config.json and safetensors files read;
 * whether Transformer Engine imports, whether ``torch.cuda`` sees a device, and what
   ``cluster.device`` resolves to — and, when the run asks for options only Transformer Engine
-  provides (:func:`ray_ppu.megatron_settings.needs_transformer_engine`), that this node can
+  provides (:func:`ray_ppu.te_options.needs_transformer_engine`), that this node can
   give them.
 
 :func:`run` returns the per-node report (``--dry-run`` prints it); :func:`check` raises
@@ -45,7 +45,7 @@ def _abs(path: str) -> str:
 def plan_checks(cfg: RunConfig) -> dict:
     """What every node checks, as plain data (paths made absolute here, on the driver)."""
     from ray_ppu.data.idxmap import parse_blend
-    from ray_ppu.megatron_settings import needs_transformer_engine
+    from ray_ppu.te_options import needs_transformer_engine
 
     d = cfg.data
     files: list[tuple[str, str]] = []  # (config key, file that must be readable)
@@ -135,7 +135,8 @@ def _check_listable_dir(key: str, path: str) -> Optional[str]:
 
 def _check_input(key: str, spec: str) -> Optional[str]:
     """An SFT file / directory / glob: at least one data file, every one of them readable."""
-    from ray_ppu.data.preprocess import PreprocessError, resolve_inputs
+    from ray_ppu.data.preprocess import resolve_inputs
+    from ray_ppu.errors import PreprocessError
 
     if not os.path.exists(spec) and not glob.has_magic(spec):
         return f"{key} {spec}: missing"
@@ -265,7 +266,7 @@ def run(cfg: RunConfig) -> dict:
 
 def check(cfg: RunConfig) -> dict:
     """:func:`run`, raising ``ClusterError`` with every problem on every node."""
-    from ray_ppu.launcher import ClusterError
+    from ray_ppu.errors import ClusterError
 
     result = run(cfg)
     if not result["ok"]:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ray_ppu import checkpoint
+from ray_ppu.util.wrappers import unwrap
 
 log = logging.getLogger("ray_ppu")
 
@@ -108,7 +109,7 @@ def capture(iteration: int, model: list, optimizer, scheduler, with_cuda: bool) 
             "grad_scaler": _copy(scaler.state_dict()) if scaler is not None else None,
         })
     return {"iteration": iteration,
-            "model": [_copy(checkpoint.unwrap(chunk).state_dict()) for chunk in model],
+            "model": [_copy(unwrap(chunk).state_dict()) for chunk in model],
             "optimizers": optimizers,
             "scheduler": _copy(scheduler.state_dict()),
             "rng": checkpoint._rng_state(with_cuda)}
@@ -128,7 +129,7 @@ def restore(point: MemoryPoint, model: list, optimizer, scheduler) -> int:
         raise checkpoint.CheckpointError(f"the {point.path} snapshot holds iteration "
                                          f"{state['iteration']}, not {point.iteration}")
     for chunk, weights in zip(model, state["model"], strict=True):
-        checkpoint.unwrap(chunk).load_state_dict(weights, strict=True)
+        unwrap(chunk).load_state_dict(weights, strict=True)
     for opt, saved in zip(_optimizers(optimizer), state["optimizers"], strict=True):
         mains = [p for group in opt.optimizer.param_groups for p in group["params"]]
         with torch.no_grad():  # the exact fp32 main values, not ones rebuilt from the weights

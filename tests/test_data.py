@@ -156,7 +156,7 @@ def test_index_cache_is_reused(corpus, tmp_path):
 
 
 def test_missing_prefix_is_named(corpus, tmp_path):
-    from ray_ppu.data.checks import CorpusError
+    from ray_ppu.errors import CorpusError
 
     s = spec(corpus, tmp_path)
     s = idxmap.SampleSpec(**{**s.__dict__, "prefixes": (corpus, str(tmp_path / "nothere"))})
@@ -165,7 +165,7 @@ def test_missing_prefix_is_named(corpus, tmp_path):
 
 
 def test_empty_validation_split_is_caught_before_megatron_hangs(corpus, tmp_path):
-    from ray_ppu.data.checks import CorpusError
+    from ray_ppu.errors import CorpusError
 
     s = idxmap.SampleSpec(**{**spec(corpus, tmp_path, valid_samples=8).__dict__,
                              "split": "1000,1,0"})

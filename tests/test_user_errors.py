@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 
 GOOD = [{"instruction": f"Count to {i}.", "output": " ".join(str(n) for n in range(1, i + 2))}
         for i in range(7)]

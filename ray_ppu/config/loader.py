@@ -19,13 +19,10 @@ import yaml
 
 from ray_ppu.config.presets import PRESETS
 from ray_ppu.config.schema import DataConfig, ModelConfig, RunConfig
+from ray_ppu.errors import ConfigError  # noqa: F401 (also imported from here)
 
 
 _SCIENTIFIC = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
-
-
-class ConfigError(ValueError):
-    """A configuration problem found before any worker starts."""
 
 
 def _did_you_mean(key: str, known: Iterable[str]) -> str:

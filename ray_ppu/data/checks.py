@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from ray_ppu.errors import CorpusError  # noqa: F401 (also imported from here)
 
 MAGIC = b"MMIDIDX\x00\x00"
 SUPPORTED_VERSION = 1
@@ -53,10 +54,6 @@ DTYPE_CODES: dict[int, np.dtype] = {
 # How the token sample of one .bin is laid out (see sample_ranges).
 INTERIOR_WINDOWS = 8
 INTERIOR_FRACTION = 4  # the interior windows share 1/4 of sample_tokens; head and tail 3/8 each
-
-
-class CorpusError(ValueError):
-    """One or more idxmap corpora are unusable; the message has one line per problem."""
 
 
 @dataclass(frozen=True)

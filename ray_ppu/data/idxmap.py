@@ -26,6 +26,7 @@ import numpy as np
 
 from ray_ppu.data import sample_reader
 from ray_ppu.util.fs import atomic_write_text
+from ray_ppu.errors import BlendError  # noqa: F401 (also imported from here)
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,6 @@ class TokenIds:
 
 
 SPLITS = ("train", "valid")  # Megatron's Split order; the test split is never built
-
-
-class BlendError(ValueError):
-    """``data_path`` is neither prefixes nor Megatron's ``[weight, prefix, ...]`` blend."""
 
 
 def is_number(text: str) -> bool:
@@ -182,7 +179,8 @@ def empty_splits(spec: SampleSpec, sequences: dict[str, int]) -> list[str]:
 def check(spec: SampleSpec) -> list:
     """Every corpus of ``spec`` usable for this run (files, headers, sizes, token ids, splits),
     or one CorpusError naming each file at fault. Cheap: headers, indices and a token sample."""
-    from ray_ppu.data.checks import CorpusError, check_corpus
+    from ray_ppu.data.checks import check_corpus
+    from ray_ppu.errors import CorpusError
 
     infos = check_corpus(list(dict.fromkeys(spec.all_prefixes)), spec.seq_length, spec.vocab_size)
     problems = empty_splits(spec, {i.prefix: i.sequences for i in infos})

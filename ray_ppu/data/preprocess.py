@@ -33,6 +33,7 @@ from ray.data.datasource import FileBasedDatasource
 
 from ray_ppu.data.tokenizer import Tokenizer, export_qwen2_tokenizer, load_tokenizer
 from ray_ppu.errors import remote_cause
+from ray_ppu.errors import PreprocessError  # noqa: F401 (also imported from here)
 
 # torch and Megatron are imported where the files are written, not here: every Ray Data actor
 # imports this module to unpickle its tokenizer class, and those two imports would cost each
@@ -137,18 +138,6 @@ _COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".lz4")  # pyarrow decompresses 
 # One tokenizer call per block of records: bounded in rows and in text bytes.
 _RECORDS_PER_BLOCK = 1024
 _TEXT_BYTES_PER_BLOCK = 16 << 20
-
-
-class PreprocessError(ValueError):
-    """Bad preprocessing input: no such file, a malformed file, or a record ``--strict`` rejects."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        # Ray appends its retry advice to args when the error crosses from a worker; keep ours.
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 def _input_format(name: str) -> str | None:

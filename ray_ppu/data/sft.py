@@ -99,7 +99,8 @@ import ray.data
 from ray.data.datasource import FileBasedDatasource
 
 from ray_ppu.data.idxmap import SAMPLE_KEYS
-from ray_ppu.data.preprocess import PreprocessError, _input_format, resolve_inputs
+from ray_ppu.data.preprocess import _input_format, resolve_inputs
+from ray_ppu.errors import PreprocessError
 from ray_ppu.data.tokenizer import HFTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 from ray_ppu.config.schema import ModelConfig
 
 CONFIG_FILE = "config.json"

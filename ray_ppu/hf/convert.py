@@ -17,7 +17,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ray_ppu import checkpoint, devices
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 from ray_ppu.hf.export import DTYPES, hf_dtype_name
 
 # config.json's torch_dtype → the training precision whose parameters keep it exactly

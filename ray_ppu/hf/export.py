@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 from ray_ppu.hf import config as hf_config
 from ray_ppu.hf import weights
 from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, ShardedWriter

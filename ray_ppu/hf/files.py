@@ -21,7 +21,7 @@ from typing import BinaryIO, Iterable, Iterator, Optional
 
 import torch
 
-from ray_ppu.config.loader import ConfigError
+from ray_ppu.errors import ConfigError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

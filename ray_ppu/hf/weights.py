@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ray_ppu.checkpoint import unwrap
+from ray_ppu.util.wrappers import unwrap
 from ray_ppu.config.schema import ModelConfig
 from ray_ppu.hf.files import Checkpoint
 
