@@ -1,7 +1,10 @@
 """The training loop: Megatron-Core's schedule over microbatches, then an optimizer step.
 
-Imports no Ray. The caller hands in this rank's microbatch iterator (None on ranks that read
-no data) and an ``on_log`` callback; the same loop runs under Ray Train and under torchrun.
+Imports no Ray. The caller hands in a :class:`TrainState`, this rank's microbatch iterator
+(None on ranks that read no data) and :class:`Hooks` for logging, per-iteration work and
+saving; the same loop runs under Ray Train and under torchrun. It follows Megatron-Core's
+simple train loop: ``forward_step`` returns ``(output, loss_func)`` and
+``get_forward_backward_func()`` runs the microbatches.
 """
 
 from __future__ import annotations
@@ -267,38 +270,112 @@ def params_in_sync(model: list):
                 chunk.enable_forward_pre_hook()
 
 
-def train(
-    plan: Plan,
-    model: list,
-    optimizer,
-    scheduler,
-    batches: Optional[Iterator[Microbatch]],
-    device: torch.device,
-    log_interval: int,
-    on_log: Callable[[dict], None],
-    start_iteration: int = 0,
-    valid_batches: Optional[Iterator[Microbatch]] = None,
-    save_interval: Optional[int] = None,
-    on_save: Optional[Callable[[int, dict], None]] = None,
-    on_iteration: Optional[Callable[[int, Optional[list]], Optional[str]]] = None,
-    packed: Optional[str] = None,
-) -> dict:
+@dataclass
+class TrainState:
+    """What the loop trains: the plan, this rank's model chunks in DDP, Megatron's optimizer and
+    LR schedule, and the device the microbatches go to."""
+
+    plan: Plan
+    model: list
+    optimizer: object
+    scheduler: object
+    device: torch.device
+
+
+@dataclass
+class Hooks:
+    """What the loop calls out to, on every rank alike (a hook may run collectives).
+
+    ``on_log(row)``: every training row (every ``log_interval`` iterations and the last) and
+    every validation row. ``on_iteration(done, sample_ids)``: after every optimizer step, with
+    the ids of the samples this rank read for it (None on ranks that read no data); it may answer
+    ``"save"`` (save now too) or ``"stop"`` (save now, then return). ``on_save(done, metrics)``:
+    a collective checkpoint save, every ``save_interval`` iterations, at the end and when
+    ``on_iteration`` asks; None: no saves.
+    """
+
+    on_log: Callable[[dict], None]
+    on_iteration: Optional[Callable[[int, Optional[list]], Optional[str]]] = None
+    on_save: Optional[Callable[[int, dict], None]] = None
+
+
+def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hooks, *,
+          start_iteration: int = 0, valid_batches: Optional[Iterator[Microbatch]] = None,
+          log_interval: int = 1, save_interval: Optional[int] = None,
+          packed: Optional[str] = None) -> dict:
     """Run iterations ``start_iteration .. plan.train_iters``; returns the last logged metrics.
 
-    Each iteration: zero grads → ``forward_backward_func`` over ``plan.num_microbatches``
-    microbatches (Megatron picks no-pipelining, 1F1B or interleaved from the parallel state) →
-    optimizer step (clips, steps, and with the distributed optimizer all-gathers params) →
-    scheduler step by the global batch in samples. Every ``log_interval`` iterations the window's
-    numbers are reduced and handed to ``on_log`` on every rank; every ``plan.eval_interval``
-    iterations and at the end (when ``plan.eval_iters`` > 0) a validation pass is too. Then,
-    every ``save_interval`` iterations and at the end, ``on_save(iteration, metrics)`` runs on
-    every rank (a collective checkpoint save: the state then is exactly "``iteration``
-    iterations done", validation included). ``on_iteration(iteration, sample_ids)`` runs after
-    every optimizer step with the ids of the samples this rank read for it (None on ranks that
-    read no data); it may answer ``"save"`` (save now too) or ``"stop"`` (save now, then
-    return), the same on every rank. ``packed``: how packed rows keep samples apart, ``"mask"`` or ``"thd"``
+    Each iteration is a :func:`train_step`; then the hooks: ``on_iteration``, a training row for
+    ``on_log`` every ``log_interval`` iterations (the window's numbers, reduced on every rank), a
+    validation pass every ``plan.eval_interval`` iterations and at the end (when
+    ``plan.eval_iters`` > 0), and ``on_save`` (the state is then exactly "``done`` iterations
+    done", validation included). Validation and saves are kept off the step-time clock.
+    ``packed``: how packed rows keep samples apart, ``"mask"`` or ``"thd"``
     (``model.packed_format``); ``"mask"`` when the plan packs and it is not given.
     """
+    plan = state.plan
+    _wire_gradient_sync(state.model, state.optimizer)
+    if plan.packed_sequences and packed is None:
+        packed = "mask"
+    schedule = make_schedule(plan, state.model, state.device, packed)
+    timed = _TimedIterator(batches) if batches is not None else None
+    window = _Window(start=time.perf_counter())
+    run_start = window.start
+    # What a run resumed at its very end (nothing left to train) reports.
+    metrics: dict = {"iteration": start_iteration, "train_iters": plan.train_iters,
+                     "consumed_samples": start_iteration * plan.global_batch_size}
+
+    for iteration in range(start_iteration, plan.train_iters):
+        train_step(state, schedule, timed, window)
+        done = iteration + 1
+        last = done == plan.train_iters
+        action = None
+        if hooks.on_iteration is not None:
+            action = hooks.on_iteration(done, timed.take_ids() if timed is not None else None)
+        if done % log_interval == 0 or last:
+            metrics = _training_row(state, window, timed, done, run_start)
+            # the hook's cost (e.g. a Ray report) counts in the next window
+            window = _Window(start=time.perf_counter(),
+                             data_wait_s=timed.waited_s if timed else 0.0,
+                             squared_lengths=timed.squared_lengths if timed else 0)
+            hooks.on_log(metrics)
+        if plan.eval_iters and (done % plan.eval_interval == 0 or last):
+            with _off_the_clock(window) as took:
+                with params_in_sync(state.model):
+                    result = evaluate(plan, state.model, schedule, valid_batches, state.device,
+                                      done)
+                hooks.on_log({**result, "eval_time_s": took()})
+            metrics.update(result)
+        if hooks.on_save is not None and (last or action is not None
+                                          or (save_interval and done % save_interval == 0)):
+            with _off_the_clock(window), params_in_sync(state.model):
+                hooks.on_save(done, dict(metrics))
+        if action == "stop":
+            return {**metrics, "stopped_at": done}
+    return metrics
+
+
+def train_step(state: TrainState, schedule, batches, window: "_Window") -> None:
+    """One iteration: zero grads → ``forward_backward_func`` over ``plan.num_microbatches``
+    microbatches (Megatron picks no-pipelining, 1F1B or interleaved from the parallel state) →
+    optimizer step (clips, steps, and with the distributed optimizer all-gathers params) →
+    scheduler step by the global batch in samples; its loss and grad norm go into ``window``."""
+    for chunk in state.model:
+        chunk.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    losses = schedule(batches, forward_only=False)
+    updated, grad_norm, _ = state.optimizer.step()
+    if updated:
+        state.scheduler.step(increment=state.plan.global_batch_size)
+        window.grad_norm = float(grad_norm) if grad_norm is not None else math.nan
+    else:
+        window.skipped += 1  # fp16 overflow: Megatron skips the step and lowers the scale
+    window.loss_sum = _sum_reports(losses, window.loss_sum)
+    window.iterations += 1
+
+
+def _wire_gradient_sync(model: list, optimizer) -> None:
+    """Megatron's schedules find loss scaling and gradient reduction on the model config."""
     config = get_attr_wrapped_model(model[0], "config")
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
@@ -307,83 +384,48 @@ def train(
         # the pipeline schedules start each chunk's gradient reduction as its backward ends
         config.grad_sync_func = _per_chunk(model, "start_grad_sync")
 
-    if plan.packed_sequences and packed is None:
-        packed = "mask"
-    schedule = make_schedule(plan, model, device, packed)
-    timed = _TimedIterator(batches) if batches is not None else None
-    batches = timed
+
+def _training_row(state: TrainState, window: "_Window", timed: Optional[_TimedIterator],
+                  done: int, run_start: float) -> dict:
+    """The window's training row: loss (token-weighted over DP: a collective), schedule, speed."""
+    plan, device = state.plan, state.device
+    lm_loss = _mean_loss(window.loss_sum, device)  # syncs: the window's work is finished
+    step_time = (time.perf_counter() - window.start) / window.iterations
     tokens_per_iteration = plan.global_batch_size * plan.seq_length
-    window = _Window(start=time.perf_counter())
-    # What a run resumed at its very end (nothing left to train) reports.
-    metrics: dict = {"iteration": start_iteration, "train_iters": plan.train_iters,
-                     "consumed_samples": start_iteration * plan.global_batch_size}
-    run_start = time.perf_counter()
-
-    for iteration in range(start_iteration, plan.train_iters):
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = schedule(batches, forward_only=False)
-        updated, grad_norm, _ = optimizer.step()
-        if updated:
-            scheduler.step(increment=plan.global_batch_size)
-            window.grad_norm = float(grad_norm) if grad_norm is not None else math.nan
-        else:
-            window.skipped += 1  # fp16 overflow: Megatron skips the step and lowers the scale
-        window.loss_sum = _sum_reports(losses, window.loss_sum)
-        window.iterations += 1
-
-        done = iteration + 1
-        action = None
-        if on_iteration is not None:
-            action = on_iteration(done, timed.take_ids() if timed is not None else None)
-        if done % log_interval == 0 or done == plan.train_iters:
-            lm_loss = _mean_loss(window.loss_sum, device)  # syncs: the window's work is finished
-            now = time.perf_counter()
-            elapsed = now - window.start
-            step_time = elapsed / window.iterations
-            remaining = plan.train_iters - done
-            metrics = {
-                "iteration": done,
-                "train_iters": plan.train_iters,
-                "consumed_samples": done * plan.global_batch_size,
-                "lm_loss": lm_loss,
-                "lr": optimizer.param_groups[0]["lr"],
-                "grad_norm": window.grad_norm,
-                "skipped_iterations": window.skipped,
-                "step_time_s": step_time,
-                # rank 0's wait on its data stream per iteration (it reads on every layout)
-                "data_wait_s": ((timed.waited_s - window.data_wait_s) / window.iterations
-                                if timed is not None else 0.0),
-                "tokens_per_s": tokens_per_iteration / step_time,
-                "tokens_per_s_per_device": tokens_per_iteration / step_time / plan.world_size,
-                # Megatron-LM's FLOPs per iteration, achieved per device
-                "tflops_per_device": (_flops_per_iteration(plan, timed, window, device)
-                                      / step_time / plan.world_size / 1e12),
-                "elapsed_s": time.perf_counter() - run_start,
-                "eta_s": remaining * step_time,
-            }
-            if config.fp16:  # dynamic loss scaling: halved on overflow, grown after a window
-                metrics["loss_scale"] = float(optimizer.get_loss_scale())
-            if device.type == "cuda":  # what the allocator held at most, this rank
-                metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-            # on_log's cost (e.g. a Ray report) counts in the next window
-            window = _Window(start=now, data_wait_s=timed.waited_s if timed else 0.0,
-                             squared_lengths=timed.squared_lengths if timed else 0)
-            on_log(metrics)
-        if plan.eval_iters and (done % plan.eval_interval == 0 or done == plan.train_iters):
-            eval_start = time.perf_counter()
-            with params_in_sync(model):
-                result = evaluate(plan, model, schedule, valid_batches, device, done)
-            on_log({**result, "eval_time_s": time.perf_counter() - eval_start})
-            metrics.update(result)
-            window.start += time.perf_counter() - eval_start  # keep step times training-only
-        if on_save is not None and (done == plan.train_iters or action is not None
-                                    or (save_interval and done % save_interval == 0)):
-            save_start = time.perf_counter()
-            with params_in_sync(model):
-                on_save(done, dict(metrics))
-            window.start += time.perf_counter() - save_start  # likewise for checkpoint time
-        if action == "stop":
-            return {**metrics, "stopped_at": done}
+    metrics = {
+        "iteration": done,
+        "train_iters": plan.train_iters,
+        "consumed_samples": done * plan.global_batch_size,
+        "lm_loss": lm_loss,
+        "lr": state.optimizer.param_groups[0]["lr"],
+        "grad_norm": window.grad_norm,
+        "skipped_iterations": window.skipped,
+        "step_time_s": step_time,
+        # rank 0's wait on its data stream per iteration (it reads on every layout)
+        "data_wait_s": ((timed.waited_s - window.data_wait_s) / window.iterations
+                        if timed is not None else 0.0),
+        "tokens_per_s": tokens_per_iteration / step_time,
+        "tokens_per_s_per_device": tokens_per_iteration / step_time / plan.world_size,
+        # Megatron-LM's FLOPs per iteration, achieved per device
+        "tflops_per_device": (_flops_per_iteration(plan, timed, window, device)
+                              / step_time / plan.world_size / 1e12),
+        "elapsed_s": time.perf_counter() - run_start,
+        "eta_s": (plan.train_iters - done) * step_time,
+    }
+    if get_attr_wrapped_model(state.model[0], "config").fp16:
+        # dynamic loss scaling: halved on overflow, grown after a window
+        metrics["loss_scale"] = float(state.optimizer.get_loss_scale())
+    if device.type == "cuda":  # what the allocator held at most, this rank
+        metrics["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     return metrics
+
+
+@contextlib.contextmanager
+def _off_the_clock(window: "_Window"):
+    """Time spent in the body (validation, a save) is not step time: the window's start moves
+    on by it. Yields a function giving the seconds the body took."""
+    start = time.perf_counter()
+    try:
+        yield lambda: time.perf_counter() - start
+    finally:
+        window.start += time.perf_counter() - start

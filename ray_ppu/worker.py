@@ -32,6 +32,7 @@ def run(
     valid_batches: Optional[Iterator[dict]] = None,
     start_iteration: int = 0,
     resume: Optional[checkpoint.ResumePoint] = None,
+    *,
     on_checkpoint: Optional[Callable[[Path, dict], None]] = None,
     failures: Sequence[recovery.Failure] = (),
     interruption: Optional[Callable[[int], Optional[str]]] = None,
@@ -73,91 +74,11 @@ def run(
     """
     from ray_ppu.model import build_model, packed_format
     from ray_ppu.optim import build_optimizer
-    from ray_ppu.train_loop import train
+    from ray_ppu.train_loop import TrainState, train
 
-    rank0 = dist.get_rank() == 0
-    writer = MetricsWriter(cfg.output.dir, cfg.output.tensorboard) if rank0 else None
-    samples = None
-    if cfg.output.sample_log and batches is not None:
-        samples = SampleLog(cfg.output.dir, dist.get_rank(),
-                            plan.dims.coordinates(dist.get_rank())["dp"], plan.data_parallel_size)
-    counts = {"restarts": len(failures), "checkpoint_failures": 0}
-    restart_pending = bool(failures)
-
-    peak = peak_tflops(cfg.cluster.accelerator, cfg.cluster.peak_tflops)
-    logged: dict = {}  # the last training row as logged: the final result carries it
-
-    def on_log(metrics: dict) -> None:
-        nonlocal startup
-        if "lm_loss" in metrics:
-            # training rows say the group's shape too: an elastic group changes it
-            metrics = {**metrics, "mfu": metrics["tflops_per_device"] / peak,
-                       "restarts": counts["restarts"], "world_size": plan.world_size,
-                       "data_parallel_size": plan.data_parallel_size}
-            if snapshots is not None and snapshots.blocking_s:  # the latest in-memory one
-                metrics.update(snapshot_blocking_s=snapshots.blocking_s[-1],
-                               snapshot_interval=snapshots.interval)
-            logged.update(metrics)
-        if writer is not None:
-            writer.write(metrics)
-            if "lm_loss" in metrics and startup is not None and not failures:
-                _log_startup(writer, metrics["iteration"], startup, timeline, batches)
-                startup = None  # once: the start row follows the first training row
-        if on_metrics is not None:  # every rank: its own throughput, memory, data wait
-            on_metrics(metrics)
-
-    root = checkpoint.save_root(cfg)
-    saver = checkpoint.Saver(root, plan, cfg, with_cuda_rng=backend == "ppu",
-                             async_save=cfg.checkpoint.async_save,
-                             origin=resume.origin if isinstance(resume, MemoryPoint)
-                             else checkpoint.origin(cfg, resume))
-
-    def saving(step: Callable[[], list]) -> None:
-        """Run a save step (start, poll, wait); log, report and keep what it completed,
-        or log and count a failed save (the same on every rank)."""
-        try:
-            completed = step()
-        except checkpoint.CheckpointSaveError as err:
-            counts["checkpoint_failures"] += 1
-            on_log({"event": "checkpoint_failed", "iteration": err.iteration,
-                    "error": str(err), **counts})
-            return
-        for path, meta, tag in completed:
-            took = time.perf_counter() - tag["started"]
-            on_log({"event": "checkpoint", "iteration": meta.iteration,
-                    "checkpoint": path.name, "path": str(path), "checkpoint_time_s": took,
-                    # what training waited: all of it, unless checkpoint.async_save
-                    "save_blocking_s": tag["blocked_s"] or took})
-            if on_checkpoint is not None:
-                on_checkpoint(path, tag["metrics"])
-            elif rank0:
-                checkpoint.prune(root, cfg.checkpoint.keep_last)
-
-    timeline = {"entered": time.perf_counter()}
-
-    def on_iteration(done: int, sample_ids: Optional[list]) -> Optional[str]:
-        nonlocal restart_pending
-        timeline.setdefault("first_step_done", time.perf_counter())
-        saving(saver.poll)  # background saves whose writers finished
-        if snapshots is not None:
-            snapshots.after(done, model, optimizer, scheduler)
-        if progress is not None:
-            progress.after(done)
-        if samples is not None and sample_ids is not None:
-            samples.write(done, sample_ids)
-        if restart_pending and writer is not None:  # the restarted group's first iteration
-            writer.write(recovery.restart_row(
-                list(failures), start_iteration, Path(resume.path).name if resume else None,
-                writer.dir / "metrics.jsonl", time.time(),
-                restored_from=None if resume is None
-                else "memory" if isinstance(resume, MemoryPoint) else "disk"))
-        restart_pending = False
-        action = interruption(done) if interruption is not None else None
-        if action and writer is not None:
-            writer.write({"event": "interrupted", "iteration": done,
-                          "reason": "job stop" if action == "stop" else "node drain"})
-        return action
-
+    duties = _RankDuties(cfg, plan, backend, batches, start_iteration, resume, failures, startup,
+                         on_checkpoint=on_checkpoint, interruption=interruption,
+                         on_metrics=on_metrics, snapshots=snapshots, progress=progress)
     with devices.bound(backend, device_id):
         parallel.initialize(plan, cfg.training.seed)
         try:
@@ -165,33 +86,154 @@ def run(
             model, _ = build_model(cfg, plan, backend, initialize=resume is None
                                    and not cfg.checkpoint.pretrained)
             optimizer, scheduler = build_optimizer(cfg, plan, model)
-            _load_state(cfg, plan, resume, start_iteration, model, optimizer, scheduler, rank0)
-            if rank0:  # after the load: the resume decision was made before this group began
-                checkpoint.remove_incomplete(root)
-            timeline["model_ready"] = time.perf_counter()
-
-            def on_save(iteration: int, metrics: dict) -> None:
-                tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
-                if progress is not None:  # a save may take longer than an iteration
-                    progress.saving(iteration)
-                saving(lambda: saver.save(iteration, model, optimizer, scheduler, tag=tag))
-                # async: the state is staged and training goes on (sync: already complete)
-                tag["blocked_s"] = time.perf_counter() - tag["started"]
-
-            final = train(plan, model, optimizer, scheduler, batches,
-                          devices.torch_device(backend), cfg.training.log_interval, on_log,
-                          start_iteration, valid_batches, cfg.checkpoint.save_interval,
-                          on_save if cfg.checkpoint.enabled else None,
-                          on_iteration, packed_format(cfg, plan, backend))
-            saving(saver.wait)  # background saves finish (and are reported) before returning
-            return {**logged, **final, **counts}
+            _load_state(cfg, plan, resume, start_iteration, model, optimizer, scheduler,
+                        duties.rank0)
+            state = TrainState(plan, model, optimizer, scheduler, devices.torch_device(backend))
+            duties.model_ready(state)
+            final = train(state, batches, duties.hooks(), start_iteration=start_iteration,
+                          valid_batches=valid_batches, log_interval=cfg.training.log_interval,
+                          save_interval=cfg.checkpoint.save_interval,
+                          packed=packed_format(cfg, plan, backend))
+            return duties.finish(final)
         finally:
-            if snapshots is not None:
-                snapshots.close()
+            duties.close()
             parallel.destroy()
-            for out in (writer, samples):
-                if out is not None:
-                    out.close()
+
+
+class _RankDuties:
+    """This rank's side of the loop's hooks: its rows (metrics.jsonl, TensorBoard and the
+    progress line on rank 0; Ray's export on every rank), its saves (started, polled, reported,
+    kept), and its per-iteration work (snapshots, watchdog progress, sample log, the restart
+    row, the interruption question). One object, so :func:`run` reads top-down."""
+
+    def __init__(self, cfg: RunConfig, plan: Plan, backend: devices.Backend, batches,
+                 start_iteration: int, resume,
+                 failures: Sequence[recovery.Failure], startup: Optional[dict], *,
+                 on_checkpoint, interruption, on_metrics, snapshots, progress) -> None:
+        self.cfg, self.plan, self.batches = cfg, plan, batches
+        self.start_iteration, self.resume, self.failures = start_iteration, resume, failures
+        self.startup = startup
+        self.on_checkpoint, self.interruption, self.on_metrics = on_checkpoint, interruption, on_metrics
+        self.snapshots, self.progress = snapshots, progress
+        self.rank0 = dist.get_rank() == 0
+        self.writer = MetricsWriter(cfg.output.dir, cfg.output.tensorboard) if self.rank0 else None
+        self.samples = None
+        if cfg.output.sample_log and batches is not None:
+            self.samples = SampleLog(cfg.output.dir, dist.get_rank(),
+                                     plan.dims.coordinates(dist.get_rank())["dp"],
+                                     plan.data_parallel_size)
+        self.counts = {"restarts": len(failures), "checkpoint_failures": 0}
+        self.restart_pending = bool(failures)
+        self.peak = peak_tflops(cfg.cluster.accelerator, cfg.cluster.peak_tflops)
+        self.logged: dict = {}  # the last training row as logged: the final result carries it
+        self.timeline = {"entered": time.perf_counter()}
+        self.root = checkpoint.save_root(cfg)
+        self.saver = checkpoint.Saver(self.root, plan, cfg, with_cuda_rng=backend == "ppu",
+                                      async_save=cfg.checkpoint.async_save,
+                                      origin=resume.origin if isinstance(resume, MemoryPoint)
+                                      else checkpoint.origin(cfg, resume))
+        self.state = None
+
+    def hooks(self):
+        from ray_ppu.train_loop import Hooks
+
+        return Hooks(on_log=self.on_log, on_iteration=self.on_iteration,
+                     on_save=self.on_save if self.cfg.checkpoint.enabled else None)
+
+    def model_ready(self, state) -> None:
+        self.state = state
+        if self.rank0:  # after the load: the resume decision was made before this group began
+            checkpoint.remove_incomplete(self.root)
+        self.timeline["model_ready"] = time.perf_counter()
+
+    def on_log(self, metrics: dict) -> None:
+        if "lm_loss" in metrics:
+            # training rows say the group's shape too: an elastic group changes it
+            metrics = {**metrics, "mfu": metrics["tflops_per_device"] / self.peak,
+                       "restarts": self.counts["restarts"], "world_size": self.plan.world_size,
+                       "data_parallel_size": self.plan.data_parallel_size}
+            if self.snapshots is not None and self.snapshots.blocking_s:  # the latest one
+                metrics.update(snapshot_blocking_s=self.snapshots.blocking_s[-1],
+                               snapshot_interval=self.snapshots.interval)
+            self.logged.update(metrics)
+        if self.writer is not None:
+            self.writer.write(metrics)
+            if "lm_loss" in metrics and self.startup is not None and not self.failures:
+                _log_startup(self.writer, metrics["iteration"], self.startup, self.timeline,
+                             self.batches)
+                self.startup = None  # once: the start row follows the first training row
+        if self.on_metrics is not None:  # every rank: its own throughput, memory, data wait
+            self.on_metrics(metrics)
+
+    def on_iteration(self, done: int, sample_ids: Optional[list]) -> Optional[str]:
+        self.timeline.setdefault("first_step_done", time.perf_counter())
+        self.saving(self.saver.poll)  # background saves whose writers finished
+        if self.snapshots is not None:
+            s = self.state
+            self.snapshots.after(done, s.model, s.optimizer, s.scheduler)
+        if self.progress is not None:
+            self.progress.after(done)
+        if self.samples is not None and sample_ids is not None:
+            self.samples.write(done, sample_ids)
+        if self.restart_pending and self.writer is not None:  # a restarted group's first one
+            self.writer.write(self._restart_row())
+        self.restart_pending = False
+        action = self.interruption(done) if self.interruption is not None else None
+        if action and self.writer is not None:
+            self.writer.write({"event": "interrupted", "iteration": done,
+                               "reason": "job stop" if action == "stop" else "node drain"})
+        return action
+
+    def _restart_row(self) -> dict:
+        resume = self.resume
+        return recovery.restart_row(
+            list(self.failures), self.start_iteration, Path(resume.path).name if resume else None,
+            self.writer.dir / "metrics.jsonl", time.time(),
+            restored_from=None if resume is None
+            else "memory" if isinstance(resume, MemoryPoint) else "disk")
+
+    def on_save(self, iteration: int, metrics: dict) -> None:
+        tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
+        if self.progress is not None:  # a save may take longer than an iteration
+            self.progress.saving(iteration)
+        s = self.state
+        self.saving(lambda: self.saver.save(iteration, s.model, s.optimizer, s.scheduler,
+                                            tag=tag))
+        # async: the state is staged and training goes on (sync: already complete)
+        tag["blocked_s"] = time.perf_counter() - tag["started"]
+
+    def saving(self, step: Callable[[], list]) -> None:
+        """Run a save step (start, poll, wait); log, report and keep what it completed,
+        or log and count a failed save (the same on every rank)."""
+        try:
+            completed = step()
+        except checkpoint.CheckpointSaveError as err:
+            self.counts["checkpoint_failures"] += 1
+            self.on_log({"event": "checkpoint_failed", "iteration": err.iteration,
+                         "error": str(err), **self.counts})
+            return
+        for path, meta, tag in completed:
+            took = time.perf_counter() - tag["started"]
+            self.on_log({"event": "checkpoint", "iteration": meta.iteration,
+                         "checkpoint": path.name, "path": str(path), "checkpoint_time_s": took,
+                         # what training waited: all of it, unless checkpoint.async_save
+                         "save_blocking_s": tag["blocked_s"] or took})
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(path, tag["metrics"])
+            elif self.rank0:
+                checkpoint.prune(self.root, self.cfg.checkpoint.keep_last)
+
+    def finish(self, final: dict) -> dict:
+        """Background saves finish (and are reported) before the result is returned."""
+        self.saving(self.saver.wait)
+        return {**self.logged, **final, **self.counts}
+
+    def close(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close()
+        for out in (self.writer, self.samples):
+            if out is not None:
+                out.close()
 
 
 def _load_state(cfg: RunConfig, plan: Plan, resume, start_iteration: int, model: list,
