@@ -33,7 +33,7 @@ median step times and their ratio (the cost of exporting every logged row to Ray
 short run once per training option (precision, recompute, offload, SP / VP / CP, distributed
 optimizer, attention backend); a table of option, ran, loss matches (its reference variant's
 losses at every iteration), iteration time, peak memory, TFLOP/s and MFU
-(``entrypoints/option_runs.py``).
+(``ray_ppu/tools/option_matrix.py``).
 
 ``hf-load``: synthetic multi-GB Hugging Face checkpoints loaded with ``checkpoint.pretrained``'s
 code by --ranks CPU processes at TP = ranks and at PP = ranks: per-rank load time and peak host
@@ -861,7 +861,7 @@ def main() -> None:
 
         hf_benchmark.hf_load(args.sizes_gb, args.ranks, Path(args.dir).resolve())
     elif args.bench in ("options", "device"):
-        import option_runs
+        from ray_ppu.tools import option_matrix as option_runs
 
         work = Path(args.dir).resolve()
         corpus = args.corpus or _default_corpus(work)

@@ -16,11 +16,9 @@ from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.megatron_settings import describe
 from ray_ppu.memory import GIB, memory_plan, offload_fraction
 from ray_ppu.plan import build_plan
+from ray_ppu.tools import option_matrix as option_runs
 
 from conftest import REPO
-
-sys.path.insert(0, str(REPO / "entrypoints"))
-import option_runs  # noqa: E402
 
 SMALL = ["data.data_path=[corpus]", "training.train_iters=4", "cluster.device=cpu",
          "cluster.num_workers=1", "training.global_batch_size=2", "model.num_layers=4"]

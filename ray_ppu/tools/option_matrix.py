@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 WARMUP_ITERS = 2  # step times after these (the first iterations build caches)
 
 # CPU: options Megatron-Core runs without CUDA. Name → (overrides, reference, tolerance): the
