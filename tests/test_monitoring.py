@@ -79,6 +79,16 @@ def test_grafana_dashboard_charts_every_exported_metric():
     assert len(ids) == len(set(ids))
 
 
+def test_grafana_dashboard_is_the_generators_output():
+    """The committed board is what ray_ppu/grafana.py builds from GAUGES; after changing a
+    gauge or a panel: python -m ray_ppu.grafana > cluster/grafana/ray_ppu.json"""
+    from ray_ppu.grafana import dashboard_json
+
+    committed = (REPO / "cluster" / "grafana" / "ray_ppu.json").read_text()
+    assert committed == dashboard_json(), \
+        "stale board: python -m ray_ppu.grafana > cluster/grafana/ray_ppu.json"
+
+
 def test_tensorboard_gets_the_same_scalars_validation_included(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
