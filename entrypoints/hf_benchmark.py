@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from ray_ppu.util.net import free_port  # noqa: E402
 
 # Qwen/Qwen2.5-3B's layer shape; the layer count is chosen per size
 SHAPE = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16,
@@ -138,12 +139,6 @@ def child(directory: str, tp: int, pp: int, out: str) -> None:
             Path(out).write_text(json.dumps(rows))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def hf_load(sizes_gb: list[float], ranks: int, work: Path) -> list[dict]:
     """Write the checkpoints, launch one torchrun per size and layout, print the table."""
     results = []
@@ -158,8 +153,8 @@ def hf_load(sizes_gb: list[float], ranks: int, work: Path) -> list[dict]:
             out = work / f"rows_{size:g}_{layout}.json"
             proc = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-                 "--master-port", str(_free_port()), __file__, str(directory), str(tp), str(pp),
-                 str(out)], capture_output=True, text=True,
+                 "--master-port", str(free_port("127.0.0.1")), __file__, str(directory), str(tp),
+                 str(pp), str(out)], capture_output=True, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1"})
             if proc.returncode:
                 print(proc.stderr[-3000:], file=sys.stderr)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import time
 import warnings
 from pathlib import Path
@@ -26,6 +25,7 @@ from ray_ppu.data import reader_pool
 from ray_ppu.data.order import valid_start, valid_steps
 from ray_ppu.plan import Plan, plan_for_world
 from ray_ppu.ray_metrics import RayMetrics
+from ray_ppu.util.net import free_port
 
 log = logging.getLogger("ray_ppu")
 
@@ -300,7 +300,7 @@ def _leave_spares_out(active: int) -> bool:
     default group would need a bound device, which comes later).
     """
     rank = dist.get_rank()
-    port = [_free_port() if rank == 0 else None]
+    port = [free_port() if rank == 0 else None]
     dist.broadcast_object_list(port, src=0, group=dist.new_group(backend="gloo"))
     backend = dist.get_backend()
     dist.destroy_process_group()
@@ -309,12 +309,6 @@ def _leave_spares_out(active: int) -> bool:
     dist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port[0]}",
                             rank=rank, world_size=active, timeout=datetime.timedelta(minutes=30))
     return True
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _idle_as_spare(cfg: RunConfig, token: str, start_iteration: int) -> dict:
