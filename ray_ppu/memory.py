@@ -25,6 +25,7 @@ from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices.specs import SPECS
+from ray_ppu.plan.arithmetic import stage_parameters
 from ray_ppu.te_options import uses_transformer_engine
 
 GIB = 1024 ** 3
@@ -150,7 +151,6 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
     what the target device would use, i.e. on unless the run is on CPU or asks for local
     attention); ``offload``: the host share of the optimizer states (default: as configured,
     ``auto`` computed by :func:`offload_fraction`)."""
-    from ray_ppu.plan import stage_parameters
 
     t, mem = cfg.training, cfg.memory
     if te is None:

@@ -1,0 +1,237 @@
+"""Every rule a config must meet against itself, before any worker starts.
+
+Types are checked when the config loads (:mod:`ray_ppu.config.loader`) and the cluster by the
+preflight (:mod:`ray_ppu.preflight`); every rule between fields lives here, one function per
+area, each returning its problems as lines naming the numbers at fault. :func:`problems`
+collects them all, so a user fixes a config in one pass, not one error at a time.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.errors import ConfigError
+from ray_ppu.plan.derived import layers_per_chunk, schedule_iterations, tokens_per_iteration
+from ray_ppu.plan.layout import ParallelDims, active_workers
+from ray_ppu.te_options import needs_transformer_engine
+
+
+def problems(cfg: RunConfig) -> list[str]:
+    """All of the config's problems, in the order a reader meets the fields."""
+    found = (layout_problems(cfg) + model_problems(cfg)
+             + _option_problems(cfg, layers_per_chunk(cfg)) + batch_problems(cfg))
+    # Megatron's scheduler asserts warmup < decay: worth saying only of an otherwise sound config
+    found += schedule_problems(cfg, check_warmup=not found)
+    return found + run_problems(cfg) + _data_problems(cfg)
+
+
+def dims_or_none(cfg: RunConfig) -> Optional[ParallelDims]:
+    """The full group's layout; None when it is not whole replicas (:func:`layout_problems`)."""
+    p = cfg.parallel
+    try:
+        return ParallelDims(cfg.cluster.num_workers, p.tensor_model_parallel_size,
+                            p.pipeline_model_parallel_size, p.context_parallel_size)
+    except ConfigError:
+        return None
+
+
+def layout_problems(cfg: RunConfig) -> list[str]:
+    """The full group is whole replicas; an elastic minimum holds at least one."""
+    p, t, c = cfg.parallel, cfg.training, cfg.cluster
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    found = []
+    try:  # the full group must be whole replicas; an elastic one may have spares (plan_for_world)
+        ParallelDims(c.num_workers, tp, pp, cp)
+    except ConfigError as err:
+        found.append(str(err))
+    if c.min_workers is not None:
+        if not 1 <= c.min_workers <= c.num_workers:
+            found.append(f"cluster.min_workers {c.min_workers} must be between 1 and "
+                         f"num_workers {c.num_workers}")
+        elif not active_workers(c.min_workers, tp, pp, cp, t.global_batch_size, t.micro_batch_size):
+            found.append(f"cluster.min_workers {c.min_workers} cannot hold one model replica: "
+                         f"TP {tp} × PP {pp} × CP {cp} = {max(1, tp * pp * cp)} workers whose DP "
+                         f"size divides global_batch_size {t.global_batch_size} by "
+                         f"micro_batch_size {t.micro_batch_size}")
+    return found
+
+
+def model_problems(cfg: RunConfig) -> list[str]:
+    """Heads and KV groups split by TP, layers by PP (× virtual stages when interleaved)."""
+    m, p = cfg.model, cfg.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    found = []
+    if m.num_attention_heads % tp:
+        found.append(f"num_attention_heads {m.num_attention_heads} is not divisible by TP {tp}")
+    if m.num_query_groups % tp:
+        found.append(f"num_query_groups {m.num_query_groups} is not divisible by TP {tp}")
+    if m.num_attention_heads % m.num_query_groups:
+        found.append(f"num_attention_heads {m.num_attention_heads} is not divisible by "
+                     f"num_query_groups {m.num_query_groups}")
+    if m.hidden_size % m.num_attention_heads:
+        found.append(f"hidden_size {m.hidden_size} is not divisible by "
+                     f"num_attention_heads {m.num_attention_heads}")
+    if m.num_layers % pp:
+        found.append(f"num_layers {m.num_layers} is not divisible by PP {pp}")
+    per_vstage = p.num_layers_per_virtual_pipeline_stage
+    if per_vstage is not None:
+        if pp < 2:
+            found.append(f"num_layers_per_virtual_pipeline_stage {per_vstage} needs PP > 1, got PP {pp}")
+        elif per_vstage < 1 or m.num_layers % (pp * per_vstage):
+            found.append(f"num_layers {m.num_layers} is not divisible by PP {pp} × "
+                         f"num_layers_per_virtual_pipeline_stage {per_vstage} = {pp * per_vstage}")
+    return found
+
+
+def batch_problems(cfg: RunConfig) -> list[str]:
+    """Global batch = micro batch × DP × microbatches; the sequence fits the position table."""
+    t, m = cfg.training, cfg.model
+    found = []
+    dims = dims_or_none(cfg)
+    if dims is not None:
+        per_step = t.micro_batch_size * dims.dp
+        if t.micro_batch_size < 1 or t.global_batch_size % per_step:
+            found.append(f"global_batch_size {t.global_batch_size} is not divisible by "
+                         f"micro_batch_size {t.micro_batch_size} × DP {dims.dp} = {per_step}")
+    if t.seq_length > m.max_position_embeddings:
+        found.append(f"seq_length {t.seq_length} exceeds max_position_embeddings "
+                     f"{m.max_position_embeddings}")
+    return found
+
+
+def schedule_problems(cfg: RunConfig, check_warmup: bool = True) -> list[str]:
+    """A training length of at least one iteration; warmup below decay."""
+    t = cfg.training
+    train, warmup, decay = schedule_iterations(cfg)
+    found = []
+    if t.train_tokens is None and t.train_iters is None:
+        found.append("set training.train_tokens (pretraining) or training.train_iters")
+    elif train < 1:
+        found.append(f"training length is {train} iterations (train_tokens {t.train_tokens} < "
+                     f"global_batch_size × seq_length = {tokens_per_iteration(cfg)}?)")
+    if check_warmup and not found and warmup >= decay:
+        sft = cfg.data.dataset == "sft"
+        how = ("set" if t.lr_decay_iters is not None
+               else f"train_iters − lr_warmup_iters for SFT" if sft else "train_iters")
+        found.append(f"lr_warmup_iters {warmup} must be below lr_decay_iters {decay} ({how}): "
+                     f"the schedule warms up, then decays; lower the warmup or train longer")
+    return found
+
+
+def run_problems(cfg: RunConfig) -> list[str]:
+    """Settings of the run around the model: hang detection, the LR floor."""
+    t, hang = cfg.training, cfg.cluster.hang_timeout_s
+    found = []
+    if hang is not None and hang < 0:
+        found.append(f"cluster.hang_timeout_s {hang:g}: expected > 0, 0 for no hang detection, "
+                     f"or null for a timeout from the step time")
+    if t.min_lr > t.lr:  # Megatron's scheduler asserts max_lr >= min_lr
+        found.append(f"min_lr {t.min_lr:g} is above lr {t.lr:g}: the schedule decays to min_lr")
+    return found
+
+
+def _option_problems(cfg: RunConfig, layers_per_chunk: Optional[int]) -> list[str]:
+    """Precision, recompute and offload switches that cannot go together, or need Transformer
+    Engine where the run cannot have it (``cluster.device=cpu``)."""
+
+    mem, t, p = cfg.memory, cfg.training, cfg.parallel
+    problems = []
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        problems.append("parallel.sequence_parallel needs TP > 1 (it shards activations inside "
+                        "the TP group), got TP 1")
+    if mem.recompute == "full":
+        n = mem.recompute_num_layers
+        if n < 1:
+            problems.append(f"memory.recompute_num_layers {n} must be ≥ 1")
+        elif layers_per_chunk and mem.recompute_method == "uniform" and layers_per_chunk % n:
+            problems.append(f"memory.recompute_num_layers {n} does not divide the "
+                            f"{layers_per_chunk} layers of a model chunk (num_layers per "
+                            f"pipeline stage, and per virtual stage when interleaved)")
+        elif layers_per_chunk and n > layers_per_chunk:
+            problems.append(f"memory.recompute_num_layers {n} exceeds the {layers_per_chunk} "
+                            f"layers of a model chunk")
+    offload = mem.activation_offload_layers
+    if offload:
+        if mem.recompute != "none":
+            problems.append(f"memory.activation_offload_layers {offload} with memory.recompute="
+                            f"{mem.recompute}: Megatron-Core offloads or recomputes, not both")
+        if p.pipeline_model_parallel_size > 1:
+            problems.append(f"memory.activation_offload_layers {offload} needs PP 1 (Megatron-Core "
+                            f"has no offload with pipelining), got PP {p.pipeline_model_parallel_size}")
+        if not 0 < offload < cfg.model.num_layers:
+            problems.append(f"memory.activation_offload_layers {offload} must be between 1 and "
+                            f"num_layers {cfg.model.num_layers} − 1")
+    if mem.optimizer_offload != "none" and not t.use_distributed_optimizer:
+        problems.append(f"memory.optimizer_offload={mem.optimizer_offload} needs the distributed "
+                        f"optimizer, but training.use_distributed_optimizer is false")
+    if not 0.0 <= mem.optimizer_offload_fraction <= 1.0:
+        problems.append(f"memory.optimizer_offload_fraction {mem.optimizer_offload_fraction} "
+                        f"must be between 0 and 1")
+    if cfg.cluster.device == "cpu":
+        problems += [f"{need} needs Transformer Engine, which cluster.device=cpu does not have"
+                     for need in needs_transformer_engine(cfg)]
+    return problems
+
+
+def _data_problems(cfg: RunConfig) -> list[str]:
+    """Blend syntax, split syntax, and a validation source when validation is asked for."""
+    from ray_ppu.data.idxmap import BlendError, parse_blend
+
+    d, t = cfg.data, cfg.training
+    if d.dataset == "sft":
+        return _sft_problems(cfg)
+    problems = []
+    for key, value in (("data.data_path", d.data_path), ("data.valid_data_path", d.valid_data_path)):
+        if value or key == "data.data_path":
+            try:
+                parse_blend(value, key)
+            except BlendError as err:
+                problems.append(str(err))
+    try:
+        shares = [float(x) for x in d.split.replace("/", ",").split(",")]
+        if len(shares) > 3 or any(x < 0 for x in shares) or sum(shares) <= 0:
+            raise ValueError
+    except ValueError:
+        problems.append(f"data.split '{d.split}': expected up to three non-negative shares, "
+                        f"e.g. 99,1,0")
+        shares = [1.0]
+    if t.eval_iters < 0 or t.eval_interval < 1:
+        problems.append(f"eval_iters {t.eval_iters} must be ≥ 0 and eval_interval "
+                        f"{t.eval_interval} ≥ 1")
+    elif t.eval_iters and not d.valid_data_path and (len(shares) < 2 or shares[1] == 0):
+        problems.append(f"eval_iters {t.eval_iters} asks for validation but split '{d.split}' "
+                        f"gives it no documents: set data.valid_data_path, a validation share "
+                        f"in data.split, or training.eval_iters=0")
+    return problems
+
+
+def _sft_problems(cfg: RunConfig) -> list[str]:
+    """SFT: JSON inputs, a tokenizer, a padding length that fits, validation data if asked."""
+    d, t = cfg.data, cfg.training
+    problems = []
+    if not d.data_path:
+        problems.append("data.data_path is empty: name the SFT training JSON files")
+    if not d.tokenizer:
+        problems.append("data.dataset=sft needs data.tokenizer (a Hugging Face tokenizer or "
+                        "checkpoint directory with a chat template)")
+    if d.max_padding_length is not None and not 0 < d.max_padding_length <= t.seq_length:
+        problems.append(f"data.max_padding_length {d.max_padding_length} must be between 1 and "
+                        f"seq_length {t.seq_length}")
+    if d.packing and d.max_padding_length is not None:
+        problems.append("data.max_padding_length applies to padded samples; with data.packing "
+                        "rows are seq_length long (drop one of the two)")
+    if t.eval_iters and not d.valid_data_path:
+        problems.append(f"eval_iters {t.eval_iters} asks for validation: set "
+                        f"data.valid_data_path (SFT has no split) or training.eval_iters=0")
+    if d.packing and cfg.parallel.pipeline_model_parallel_size > 2:
+        problems.append(f"data.packing with PP {cfg.parallel.pipeline_model_parallel_size}: "
+                        f"middle pipeline stages read no data, so they cannot build the "
+                        f"per-sample attention mask; use PP ≤ 2")
+    if d.packing and cfg.parallel.context_parallel_size > 1:
+        problems.append(f"data.packing with CP {cfg.parallel.context_parallel_size}: packed rows "
+                        f"are not split across context-parallel ranks; use CP 1")
+    if t.train_tokens is not None or t.lr_warmup_tokens is not None:
+        problems.append("SFT is scheduled in iterations (train_iters, lr_warmup_iters), as the "
+                        "reference does; train_tokens / lr_warmup_tokens are for pretraining")
+    return problems
