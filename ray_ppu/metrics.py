@@ -22,8 +22,8 @@ def progress_line(m: dict) -> str:
     )
     if "tflops_per_device" in m:
         line += f" | {m['tflops_per_device']:.3g} TFLOP/s/device"
-    if "mfu" in m:
-        line += f" | MFU {m['mfu']:.1%}"
+    if "mfu" in m:  # None where the device's peak is unknown (a CPU run)
+        line += f" | MFU {m['mfu']:.1%}" if m["mfu"] is not None else " | MFU n/a"
     if "loss_scale" in m:
         line += f" | loss scale {m['loss_scale']:g}"
     return line + f" | ETA {eta}"

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ray_ppu import checkpoint, devices, parallel, recovery
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.devices.specs import peak_tflops
+from ray_ppu.devices.specs import run_peak_tflops
 from ray_ppu.metrics import MetricsWriter, SampleLog
 from ray_ppu.plan import Plan
 from ray_ppu.snapshot import MemoryPoint, Snapshotter, restore
@@ -124,7 +124,7 @@ class _RankDuties:
                                      plan.data_parallel_size)
         self.counts = {"restarts": len(failures), "checkpoint_failures": 0}
         self.restart_pending = bool(failures)
-        self.peak = peak_tflops(cfg.cluster.accelerator, cfg.cluster.peak_tflops)
+        self.peak = run_peak_tflops(cfg.cluster, backend)  # None: unknown (CPU), MFU n/a
         self.logged: dict = {}  # the last training row as logged: the final result carries it
         self.timeline = {"entered": time.perf_counter()}
         self.root = checkpoint.save_root(cfg)
@@ -149,7 +149,8 @@ class _RankDuties:
     def on_log(self, metrics: dict) -> None:
         if "lm_loss" in metrics:
             # training rows say the group's shape too: an elastic group changes it
-            metrics = {**metrics, "mfu": metrics["tflops_per_device"] / self.peak,
+            mfu = metrics["tflops_per_device"] / self.peak if self.peak else None
+            metrics = {**metrics, "mfu": mfu,
                        "restarts": self.counts["restarts"], "world_size": self.plan.world_size,
                        "data_parallel_size": self.plan.data_parallel_size}
             if self.snapshots is not None and self.snapshots.blocking_s:  # the latest one

@@ -205,7 +205,10 @@ def uninterrupted_run(corpus, out) -> dict:
     Meanwhile the node's Prometheus endpoint is scraped for the run's exported metrics."""
     # in-memory snapshots at the automatic interval: the reference also shows that taking
     # them changes nothing (the restores compare with it) and exercises the choice
-    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "checkpoint.memory_interval=null")
+    # a declared peak (the PPU's 123 TFLOP/s): test_monitoring checks MFU against it; without
+    # one a CPU run's MFU is n/a (test_entrypoint)
+    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "checkpoint.memory_interval=null",
+                        "cluster.peak_tflops=123")
     scraped: list[str] = []
     final, _ = launch_while(cfg, plan, scrape_ray_metrics(out.name, scraped))
     rows = _rows(out)

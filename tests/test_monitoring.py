@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ray_ppu.config.loader import load
-from ray_ppu.devices.specs import SPECS, peak_tflops
+from ray_ppu.devices.specs import SPECS, peak_tflops, run_peak_tflops
 from ray_ppu.metrics import MetricsWriter, progress_line
 from ray_ppu.plan import build_plan
 from ray_ppu.ray_metrics import GAUGES
@@ -107,6 +107,19 @@ def test_tensorboard_gets_the_same_scalars_validation_included(tmp_path):
             "valid/ppl"} <= tags
     assert [e.value for e in events.Scalars("train/lm_loss")] == [4.0, 3.0]
     assert events.Scalars("valid/lm_loss")[0].step == 2
+
+
+def test_mfu_is_na_where_the_device_peak_is_unknown():
+    from ray_ppu.config.schema import ClusterConfig
+
+    cpu = ClusterConfig(device="cpu")
+    assert run_peak_tflops(cpu, "cpu") is None  # a PPU's peak would make a CPU read 0.0 %
+    assert run_peak_tflops(ClusterConfig(device="cpu", peak_tflops=2.0), "cpu") == 2.0
+    assert run_peak_tflops(ClusterConfig(), "ppu") == PPU_PEAK  # device auto, got a PPU
+    row = {"iteration": 1, "train_iters": 2, "lm_loss": 2.5, "lr": 3e-4, "grad_norm": 1.0,
+           "tokens_per_s": 10.0, "step_time_s": 0.25, "tflops_per_device": 0.01, "mfu": None,
+           "eta_s": 1.0}
+    assert "| MFU n/a |" in progress_line(row)
 
 
 def test_progress_line_shows_iteration_loss_lr_throughput_flops_mfu_eta():

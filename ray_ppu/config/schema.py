@@ -289,7 +289,7 @@ class ClusterConfig:
     denominator and its memory the budget of the memory plan."""
     peak_tflops: Optional[float] = None
     """bf16 peak TFLOP/s of one device, the MFU denominator; None = the accelerator's figure
-    (ppu-810e 123, h100 / h200 989, a100 312)."""
+    (ppu-810e 123, h100 / h200 989, a100 312), or on a CPU device none (MFU n/a)."""
     resource_name: str = "PPU"
     """Name of the custom Ray resource that counts devices on a node."""
     simulated_ppus: int = 0

@@ -29,3 +29,13 @@ SPECS: dict[str, DeviceSpec] = {
 def peak_tflops(accelerator: str, override: "float | None" = None) -> float:
     """The MFU denominator: ``cluster.peak_tflops`` when set, else the table's bf16 peak."""
     return override or SPECS[accelerator].bf16_tflops
+
+
+def run_peak_tflops(cluster, backend: str) -> "float | None":
+    """The peak of the devices a run trains on (``cluster``: its ClusterConfig; ``backend``: the
+    device kind the workers got, ``ppu`` or ``cpu``), or None where it is unknown: on a CPU the
+    table's figure is a PPU's, against which the CPU would read ``MFU 0.0%``;
+    ``cluster.peak_tflops`` declares one."""
+    if backend == "cpu" and not cluster.peak_tflops:
+        return None
+    return peak_tflops(cluster.accelerator, cluster.peak_tflops)
