@@ -2,6 +2,7 @@
 
     python entrypoints/pretrain.py                       # the demo, on a local Ray
     python entrypoints/pretrain.py --config run.yaml [section.field=value ...] [--dry-run]
+    python entrypoints/pretrain.py --help-config [SECTION]   # every config field, documented
     ray job submit --working-dir . -- python entrypoints/pretrain.py --config run.yaml
 
 With RAY_ADDRESS set (as under ``ray job submit``) the job joins that cluster; otherwise it
@@ -36,8 +37,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="print the resolved config, the plan, the Megatron-Core settings and "
                              "the memory plan per device as JSON; start nothing (with RAY_ADDRESS "
                              "set: also the preflight checks of every PPU node of that cluster)")
+    parser.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
+                        help="list every config field (or one section's: model, parallel, "
+                             "training, memory, data, output, cluster, checkpoint) with its type, "
+                             "default and description, then exit")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.help_config is not None:
+        from ray_ppu.config.reference import format_reference, sections
+
+        if args.help_config and args.help_config not in sections():
+            parser.error(f"--help-config {args.help_config}: no such section (sections: "
+                         f"{', '.join(sections())})")
+        print(format_reference(args.help_config or None), end="")
+        parser.exit(0)
+    return args
 
 
 def dry_run(cfg, plan) -> dict:
@@ -106,7 +120,7 @@ def main(argv=None) -> int:
         if demo:
             # The demo's corpus is made the way users make theirs: JSONL shards tokenized by
             # Ray Data with a Hugging Face tokenizer (preprocess_data.py's code path).
-            from ray_ppu.data.preprocess import build_demo_corpus
+            from ray_ppu.tools.demo import build_demo_corpus
 
             started = connect(cfg)  # the Ray (with simulated PPUs) the run will use too
             build_demo_corpus(Path(cfg.data.data_path[0]).parent)

@@ -261,3 +261,30 @@ def test_cli_rejects_bad_config_before_starting_anything():
     proc = _cli("--dry-run", *BASE, "cluster.num_workers=3", "parallel.tensor_model_parallel_size=2")
     assert proc.returncode == 2
     assert "world size 3 is not divisible by TP 2 × PP 1 × CP 1 = 2" in proc.stderr
+
+
+def test_help_config_lists_every_field_with_type_default_and_docstring():
+    """``pretrain.py --help-config`` is made from the schema: every field of every section, its
+    type, its default and its docstring (none may lack one)."""
+    import dataclasses
+
+    from ray_ppu.config import schema
+    from ray_ppu.config.reference import field_docs
+
+    script = REPO / "entrypoints" / "pretrain.py"
+    shown = subprocess.run([sys.executable, str(script), "--help-config"], check=True,
+                           capture_output=True, text=True).stdout
+    docs = {d.key: d for d in field_docs()}
+    for part in dataclasses.fields(schema.RunConfig):
+        for f in dataclasses.fields(part.default_factory().__class__):
+            doc = docs[f"{part.name}.{f.name}"]
+            assert doc.doc, f"{doc.key} has no docstring in ray_ppu/config/schema.py"
+            assert f"{doc.key}: {f.type} = " in shown
+            assert doc.doc.splitlines()[0] in shown
+    assert "training.micro_batch_size: int = 1\n    Samples per forward/backward pass" in shown
+    one = subprocess.run([sys.executable, str(script), "--help-config", "cluster"], check=True,
+                         capture_output=True, text=True).stdout
+    assert "cluster.num_workers" in one and "training." not in one
+    bad = subprocess.run([sys.executable, str(script), "--help-config", "trainig"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "no such section (sections: model, parallel" in bad.stderr
