@@ -28,19 +28,19 @@ import ray.train
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_ppu import checkpoint, devices, ray_worker, snapshot_keeper, watchdog
-from ray_ppu.errors import ConfigError
+from ray_ppu import checkpoint, devices, job_stop, preflight, ray_worker, snapshot_keeper, watchdog
+from ray_ppu.errors import ClusterError, ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
 from ray_ppu.data.order import valid_start, valid_steps
-from ray_ppu.plan import ParallelDims, Plan
+from ray_ppu.plan import Plan
 from ray_ppu.train_controller import FailureRecorder
-from ray_ppu.errors import ClusterError  # noqa: F401 (also imported from here)
 
 log = logging.getLogger("ray_ppu")
 
 # Ray's default list of accelerator resources whose units get instance ids, plus PPU: with this
-# in the raylet's environment, Ray hands each worker distinct PPU ids (DESIGN.md §4).
+# in the raylet's environment, Ray hands each worker distinct PPU ids (RAY_custom_unit_instance_resources,
+# read by the raylet at start: cluster/start-*.sh export it).
 UNIT_INSTANCE_RESOURCES = "neuron_cores,TPU,NPU,HPU,RBLN,FURIOSA,TTNPU,MBLT,PPU"
 
 
@@ -77,87 +77,11 @@ def _connect(cfg: RunConfig) -> bool:
     # Logical CPUs: the workers' own plus the readers' (one node: readers_per_node ×
     # reader_cpus) plus one for Ray's own tasks (preflight, index, SFT tokenizing); the OS
     # shares the cores. Too few and a reader waits for a CPU forever while its ranks wait.
-    readers = _readers_per_node(cfg, ppus) * cfg.data.reader_cpus
+    readers = preflight.readers_per_node(cfg, ppus) * cfg.data.reader_cpus
     cpus = max(os.cpu_count() or 1, math.ceil(c.num_workers * c.cpus_per_worker + readers) + 1)
     # address="local": a new Ray even when `ray start` left a cluster on this machine
     ray.init(address="local", num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
     return True
-
-
-def check_capacity(cfg: RunConfig) -> None:
-    """Fail at once, with what each node has, if the cluster lacks the PPUs for this run, or
-    the CPUs beside them: a worker takes ``cluster.cpus_per_worker`` and the node's readers
-    ``data.reader_cpus`` each, and a group that cannot be placed would only time out."""
-    c = cfg.cluster
-    workers = c.min_workers or c.num_workers  # elastic: the run starts with what fits
-    need = workers * c.ppu_per_worker
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    per_node = {n["NodeManagerAddress"] + "/" + n["NodeID"][:8]: n["Resources"].get(c.resource_name, 0)
-                for n in nodes}
-    have = sum(per_node.values())
-    fits = sum(int(v // c.ppu_per_worker) for v in per_node.values()) if c.ppu_per_worker else workers
-    if have < need or fits < workers:
-        listing = ", ".join(f"{k}: {v:g}" for k, v in per_node.items()) or "no alive nodes"
-        raise ClusterError(
-            f"the run needs {workers} workers × {c.ppu_per_worker:g} {c.resource_name} = "
-            f"{need:g} {c.resource_name}, but the cluster has {have:g} ({listing}); "
-            f"lower cluster.num_workers or add nodes started with --resources='{{\"{c.resource_name}\": 16}}'"
-        )
-    slots, short = 0, []
-    for n in nodes:
-        ppus = n["Resources"].get(c.resource_name, 0)
-        if not ppus:
-            continue
-        by_ppu = int(ppus // c.ppu_per_worker) if c.ppu_per_worker else workers
-        readers = _readers_per_node(cfg, ppus) * cfg.data.reader_cpus
-        cpus = n["Resources"].get("CPU", 0) - readers
-        by_cpu = int(cpus // c.cpus_per_worker) if c.cpus_per_worker else by_ppu
-        slots += min(by_ppu, by_cpu)
-        if by_cpu < by_ppu:
-            short.append(f"{n['NodeManagerAddress']}/{n['NodeID'][:8]}: {ppus:g} "
-                         f"{c.resource_name}, {n['Resources'].get('CPU', 0):g} CPU of which the "
-                         f"readers take {readers:g}: room for {max(by_cpu, 0)} worker(s)")
-    if slots < workers:
-        raise ClusterError(
-            f"the run needs {workers} workers × {c.cpus_per_worker:g} CPU "
-            f"(cluster.cpus_per_worker) beside their {c.resource_name}, but the PPU nodes hold "
-            f"{slots}: " + "; ".join(short) + "; lower cluster.cpus_per_worker or "
-            f"data.reader_cpus, or start the nodes with more --num-cpus")
-
-
-def _readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:
-    """Readers each node starts: ``data.reader_actors``, or sized by the node's data ranks
-    (the workers one node holds × the fraction of ranks that read data)."""
-    c, p = cfg.cluster, cfg.parallel
-    dims = ParallelDims(c.num_workers, p.tensor_model_parallel_size,
-                        p.pipeline_model_parallel_size, p.context_parallel_size)
-    fraction = len(list(dims.data_ranks())) / max(1, dims.world_size)
-    workers = min(c.num_workers, int(ppus_per_node // c.ppu_per_worker) if c.ppu_per_worker
-                  else c.num_workers)
-    return reader_pool.readers_per_node(cfg.data.reader_actors, math.ceil(workers * fraction))
-
-
-class _GracefulStop:
-    """The driver's SIGTERM (``ray job stop``): once training runs, ask the workers to save
-    and stop (a file they watch), and abort them if that takes longer than ``timeout_s`` or a
-    second signal comes; before training starts, abort at once."""
-
-    def __init__(self, stop_file: Path, timeout_s: float) -> None:
-        self.stop_file, self.timeout_s = stop_file, timeout_s
-        self.training = self.requested = False
-
-    def __call__(self, *_) -> None:
-        if not self.training or self.requested:
-            signal.raise_signal(signal.SIGINT)  # Ray Train's abort (KeyboardInterrupt before)
-            return
-        self.requested = True
-        self.stop_file.parent.mkdir(parents=True, exist_ok=True)
-        self.stop_file.touch()
-        log.warning("stop requested: the workers save a checkpoint after their current iteration "
-                    "and stop (aborted after %g s or on a second signal)", self.timeout_s)
-        timer = threading.Timer(self.timeout_s, lambda: os.kill(os.getpid(), signal.SIGINT))
-        timer.daemon = True
-        timer.start()
 
 
 def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers: dict,
@@ -215,20 +139,20 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             log.info("corpus %s: %d documents, %.4g tokens (%s)", info.prefix, info.documents,
                      info.tokens, info.dtype)
     cfg, resume = _starting_point(cfg, plan)
-    _check_stop_wait(cfg)
+    job_stop.check_stop_wait(cfg)
     started = connect(cfg)
     phases = {"ray": _connected_in_s}  # here, or by the caller before (the demo's corpus)
     # ray job stop sends SIGTERM: the workers save and stop (then, or before training starts,
     # it is Ctrl-C: Ray Train's abort of the worker group). Only the main thread can set
     # handlers (a launch from another thread, as in tests, keeps the default).
     token = uuid.uuid4().hex
-    graceful = _GracefulStop(checkpoint.save_root(cfg) / f"{ray_worker.STOP}{token}",
+    graceful = job_stop.GracefulStop(checkpoint.save_root(cfg) / f"{ray_worker.STOP}{token}",
                              cfg.checkpoint.stop_timeout_s)
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, graceful) if main else None
     owned: list = []  # the actors this launch owns (the readers): they outlive the groups
     try:
-        check_capacity(cfg)
+        preflight.check_capacity(cfg)
         cfg, backend, reader_info = _prepare(cfg, plan, spec, token, resume, phases, owned)
         # Ray Train passes this from the driver to its controller: how long a new worker group
         # may take to start before the controller decides again (elastic: after a node loss
@@ -267,22 +191,6 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             ray.kill(actor)
         if started:
             shutdown()
-
-
-def _check_stop_wait(cfg: RunConfig) -> None:
-    """A submitted job (``ray job submit``) warns when ``ray job stop`` would kill it before
-    the checkpoint its workers save on the stop can be written: Ray's job supervisor waits
-    RAY_JOB_STOP_WAIT_TIME_S (default 3 s; the head's environment) after its SIGTERM."""
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:  # set only in a submitted job's driver
-        return
-    wait = float(os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", 3))
-    if wait < cfg.checkpoint.stop_timeout_s:
-        log.warning("`ray job stop` kills this job %g s after asking it to stop "
-                    "(RAY_JOB_STOP_WAIT_TIME_S on the head node), but the checkpoint saved on a "
-                    "stop may take up to checkpoint.stop_timeout_s=%g s: a stop may lose the "
-                    "work since the last save; start the head with RAY_JOB_STOP_WAIT_TIME_S=%d "
-                    "(cluster/start-head.sh does)", wait, cfg.checkpoint.stop_timeout_s,
-                    math.ceil(cfg.checkpoint.stop_timeout_s) + 30)
 
 
 def shutdown() -> None:
@@ -325,7 +233,7 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
         index = pool.submit(_timed_prepare, spec)
         pool.shutdown(wait=False)  # the build finishes; no thread is kept after it
     nodes = preflight.ppu_nodes(cfg.cluster.resource_name)
-    per_node = _readers_per_node(cfg, max((n["Resources"][cfg.cluster.resource_name]
+    per_node = preflight.readers_per_node(cfg, max((n["Resources"][cfg.cluster.resource_name]
                                            for n in nodes), default=0))
     source = {"sft": spec} if sft else {"manifest": str(idxmap.manifest(spec))}
     reader_info = {"source": source, "token": token, "per_node": per_node,

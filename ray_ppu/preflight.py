@@ -15,7 +15,8 @@ One small Ray task per alive node that advertises ``cluster.resource_name``, pin
   give them.
 
 :func:`run` returns the per-node report (``--dry-run`` prints it); :func:`check` raises
-``ClusterError`` listing every problem per node. A node that does not answer within
+``ClusterError`` listing every problem per node. :func:`check_capacity` asks Ray's view of the
+cluster, before anything is placed, whether it has the PPUs and the CPUs beside them. A node that does not answer within
 ``cluster.placement_timeout_s`` is a problem too: nothing waits forever. The node side imports
 only the standard library, torch and (for SFT) the SFT input resolver.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import tempfile
 import time
@@ -34,6 +36,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_ppu.config.schema import RunConfig
+from ray_ppu.data import reader_pool
+from ray_ppu.errors import ClusterError
+from ray_ppu.plan import ParallelDims
 
 log = logging.getLogger("ray_ppu")
 
@@ -135,7 +140,7 @@ def _check_listable_dir(key: str, path: str) -> Optional[str]:
 
 def _check_input(key: str, spec: str) -> Optional[str]:
     """An SFT file / directory / glob: at least one data file, every one of them readable."""
-    from ray_ppu.data.preprocess import resolve_inputs
+    from ray_ppu.data.readers import resolve_inputs
     from ray_ppu.errors import PreprocessError
 
     if not os.path.exists(spec) and not glob.has_magic(spec):
@@ -266,8 +271,6 @@ def run(cfg: RunConfig) -> dict:
 
 def check(cfg: RunConfig) -> dict:
     """:func:`run`, raising ``ClusterError`` with every problem on every node."""
-    from ray_ppu.errors import ClusterError
-
     result = run(cfg)
     if not result["ok"]:
         bad = [r["node"] for r in result["nodes"] if r["problems"]]
@@ -275,3 +278,56 @@ def check(cfg: RunConfig) -> dict:
         raise ClusterError(f"preflight found {len(result['problems'])} problem(s){where}:\n  "
                            + "\n  ".join(result["problems"]))
     return result
+
+
+def check_capacity(cfg: RunConfig) -> None:
+    """Fail at once, with what each node has, if the cluster lacks the PPUs for this run, or
+    the CPUs beside them: a worker takes ``cluster.cpus_per_worker`` and the node's readers
+    ``data.reader_cpus`` each, and a group that cannot be placed would only time out."""
+    c = cfg.cluster
+    workers = c.min_workers or c.num_workers  # elastic: the run starts with what fits
+    need = workers * c.ppu_per_worker
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    per_node = {n["NodeManagerAddress"] + "/" + n["NodeID"][:8]: n["Resources"].get(c.resource_name, 0)
+                for n in nodes}
+    have = sum(per_node.values())
+    fits = sum(int(v // c.ppu_per_worker) for v in per_node.values()) if c.ppu_per_worker else workers
+    if have < need or fits < workers:
+        listing = ", ".join(f"{k}: {v:g}" for k, v in per_node.items()) or "no alive nodes"
+        raise ClusterError(
+            f"the run needs {workers} workers × {c.ppu_per_worker:g} {c.resource_name} = "
+            f"{need:g} {c.resource_name}, but the cluster has {have:g} ({listing}); "
+            f"lower cluster.num_workers or add nodes started with --resources='{{\"{c.resource_name}\": 16}}'"
+        )
+    slots, short = 0, []
+    for n in nodes:
+        ppus = n["Resources"].get(c.resource_name, 0)
+        if not ppus:
+            continue
+        by_ppu = int(ppus // c.ppu_per_worker) if c.ppu_per_worker else workers
+        readers = readers_per_node(cfg, ppus) * cfg.data.reader_cpus
+        cpus = n["Resources"].get("CPU", 0) - readers
+        by_cpu = int(cpus // c.cpus_per_worker) if c.cpus_per_worker else by_ppu
+        slots += min(by_ppu, by_cpu)
+        if by_cpu < by_ppu:
+            short.append(f"{n['NodeManagerAddress']}/{n['NodeID'][:8]}: {ppus:g} "
+                         f"{c.resource_name}, {n['Resources'].get('CPU', 0):g} CPU of which the "
+                         f"readers take {readers:g}: room for {max(by_cpu, 0)} worker(s)")
+    if slots < workers:
+        raise ClusterError(
+            f"the run needs {workers} workers × {c.cpus_per_worker:g} CPU "
+            f"(cluster.cpus_per_worker) beside their {c.resource_name}, but the PPU nodes hold "
+            f"{slots}: " + "; ".join(short) + "; lower cluster.cpus_per_worker or "
+            "data.reader_cpus, or start the nodes with more --num-cpus")
+
+
+def readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:
+    """Readers each node starts: ``data.reader_actors``, or sized by the node's data ranks
+    (the workers one node holds × the fraction of ranks that read data)."""
+    c, p = cfg.cluster, cfg.parallel
+    dims = ParallelDims(c.num_workers, p.tensor_model_parallel_size,
+                        p.pipeline_model_parallel_size, p.context_parallel_size)
+    fraction = len(list(dims.data_ranks())) / max(1, dims.world_size)
+    workers = min(c.num_workers, int(ppus_per_node // c.ppu_per_worker) if c.ppu_per_worker
+                  else c.num_workers)
+    return reader_pool.readers_per_node(cfg.data.reader_actors, math.ceil(workers * fraction))

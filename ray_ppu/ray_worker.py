@@ -41,7 +41,9 @@ def assigned_device_id(resource_name: str) -> int:
     """The PPU id Ray assigned this worker (the lowest, when it holds several); LOCAL_RANK
     when Ray has none, with a warning once per process and resource."""
     ids: list = []
-    try:  # private API (DESIGN.md §4): ids exist only when the raylet knows PPU as a unit resource
+    # Ray's private API (no public one gives a custom resource's instance ids); ids exist only
+    # when the raylet knows PPU as a unit resource (launcher.UNIT_INSTANCE_RESOURCES)
+    try:
         worker = ray._private.worker.global_worker
         ids = worker.get_accelerator_ids_for_accelerator_resource(
             resource_name, rf"^{resource_name}_group_[0-9A-Za-z]+$"

@@ -8,7 +8,7 @@ import yaml
 
 from conftest import REPO
 from ray_ppu.config.loader import load
-from ray_ppu.launcher import _check_stop_wait
+from ray_ppu.job_stop import check_stop_wait
 
 STOP_TIMEOUT = load(None, ["data.data_path=[x]"]).checkpoint.stop_timeout_s
 
@@ -35,12 +35,12 @@ def test_a_submitted_job_warns_when_the_stop_wait_is_short(monkeypatch, caplog):
     monkeypatch.delenv("RAY_JOB_STOP_WAIT_TIME_S", raising=False)
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     with caplog.at_level(logging.WARNING, logger="ray_ppu"):
-        _check_stop_wait(cfg)  # not a submitted job: nothing to say
+        check_stop_wait(cfg)  # not a submitted job: nothing to say
         assert not caplog.records
         monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
-        _check_stop_wait(cfg)  # Ray's default wait, 3 s
+        check_stop_wait(cfg)  # Ray's default wait, 3 s
         assert "kills this job 3 s after" in caplog.text and "RAY_JOB_STOP_WAIT_TIME_S=330" in caplog.text
         caplog.clear()
         monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "330")
-        _check_stop_wait(cfg)
+        check_stop_wait(cfg)
         assert not caplog.records

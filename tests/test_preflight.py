@@ -13,7 +13,8 @@ import pytest
 
 from ray_ppu import preflight
 from ray_ppu.config.loader import load
-from ray_ppu.launcher import ClusterError, launch
+from ray_ppu.errors import ClusterError
+from ray_ppu.launcher import launch
 from ray_ppu.plan import build_plan
 from ray_ppu.run import absolute_paths
 
@@ -121,7 +122,7 @@ def test_workers_without_cpus_beside_their_ppus_are_refused_at_once(ray_cluster,
                                                                     tmp_path):
     """4 workers × 3 CPU on the test cluster's one node of 4 PPU and 8 CPU (1 of them the
     reader's 0.5): the group could never be placed, so the launch says so before it waits."""
-    from ray_ppu.launcher import ClusterError, check_capacity
+    from ray_ppu.preflight import check_capacity
 
     cfg = config(corpus, tmp_path, "cluster.num_workers=4", "cluster.cpus_per_worker=3")
     with pytest.raises(ClusterError, match=r"4 workers × 3 CPU .* hold 2: .*4 PPU, 8 CPU of "

@@ -14,7 +14,8 @@ import time
 import pytest
 
 from ray_ppu.config.loader import load
-from ray_ppu.launcher import ClusterError, launch
+from ray_ppu.errors import ClusterError
+from ray_ppu.launcher import launch
 from ray_ppu.plan import build_plan
 from ray_ppu.run import absolute_paths, prepare_output
 

@@ -113,7 +113,7 @@ def schedule_problems(cfg: RunConfig, check_warmup: bool = True) -> list[str]:
     if check_warmup and not found and warmup >= decay:
         sft = cfg.data.dataset == "sft"
         how = ("set" if t.lr_decay_iters is not None
-               else f"train_iters − lr_warmup_iters for SFT" if sft else "train_iters")
+               else "train_iters − lr_warmup_iters for SFT" if sft else "train_iters")
         found.append(f"lr_warmup_iters {warmup} must be below lr_decay_iters {decay} ({how}): "
                      f"the schedule warms up, then decays; lower the warmup or train longer")
     return found
