@@ -1,7 +1,7 @@
 """Fault tolerance under the real Ray Train V2 (``make test-faults``; minutes each).
 
 On a simulated multi-node cluster (``ray.cluster_utils.Cluster`` of one-PPU nodes, in a
-subprocess: ``entrypoints/benchmark.py recovery`` / ``elastic``, each with its own Ray):
+subprocess: ``tests/faults/scenarios.py recovery`` / ``elastic``, each with its own Ray):
 
 * node loss: a PPU node hosting a worker is removed after the checkpoint at 4; Ray Train
   restarts the group on a spare node, which resumes exactly (losses equal to 1e-6).
@@ -32,12 +32,12 @@ ITERS, GBS = 8, 4
 
 
 def scenario(tmp_path_factory, corpus, name: str, *flags: str) -> dict:
-    """Run ``benchmark.py <name> <flags>`` (a scenario on its own simulated cluster, in a
-    subprocess); returns its JSON result."""
+    """Run ``tests/faults/scenarios.py <name> <flags>`` (a scenario on its own simulated
+    cluster, in a subprocess); returns its JSON result."""
     work = tmp_path_factory.mktemp(name)
     result = work / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "entrypoints" / "benchmark.py"), name, *flags,
+        [sys.executable, str(REPO / "tests" / "faults" / "scenarios.py"), name, *flags,
          "--dir", str(work), "--corpus", corpus, "--json", str(result), "--timeout", "600"],
         capture_output=True, text=True, timeout=660)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -114,7 +114,7 @@ def test_drained_node_is_saved_before_it_goes(node_loss, corpus, tmp_path_factor
 
 @pytest.fixture(scope="module")
 def elastic_run(corpus, tmp_path_factory):
-    """``benchmark.py elastic --reference``: a fixed 2-worker run, then num_workers (2, 4) at
+    """``scenarios.py elastic --reference``: a fixed 2-worker run, then num_workers (2, 4) at
     TP 2 on 3 one-PPU nodes: 3 workers (DP 1 + a spare), grown to 4 (DP 2) when a node joins
     after the checkpoint at 2, back to 3 when a node hosting a worker is removed after the
     4-worker group's first checkpoint."""

@@ -15,7 +15,7 @@ MFU of a PPU's bf16 peak — the hungriest model we ship per device.
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
 import threading
 import time
@@ -23,7 +23,34 @@ from pathlib import Path
 
 import numpy as np
 
+from ray_ppu.tools.bench.common import write_json
+
 VOCAB = 151_936
+HELP = ("the data path of one node of data ranks: reader processes, PSS, CPU, first batch, "
+        "tokens/s per rank")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=float, default=2e8, help="synthetic corpus size")
+    parser.add_argument("--dir", default="outputs/benchmark_data", help="corpus and index cache")
+    parser.add_argument("--data-ranks", type=int, default=16, help="data ranks on the node (DP)")
+    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--global-batch-size", type=int, default=256)
+    parser.add_argument("--iters", type=int, default=20, help="iterations each rank reads")
+    parser.add_argument("--json", default=None, help="write the figures here")
+
+
+def main(args) -> dict:
+    """The synthetic corpus under ``--dir`` (written once), then :func:`run` over it."""
+    work = Path(args.dir).resolve()
+    prefix = work / f"synthetic_{args.tokens:.0e}".replace("+", "")
+    t0 = time.perf_counter()
+    synthetic_corpus(prefix, int(args.tokens))
+    print(f"corpus {prefix}: {int(args.tokens):.3g} tokens, "
+          f"{Path(f'{prefix}.bin').stat().st_size / 1e9:.2f} GB "
+          f"(ready in {time.perf_counter() - t0:.1f} s)", flush=True)
+    return run(prefix, work / "index_cache", args.data_ranks, args.seq_length,
+               args.global_batch_size, args.iters, args.json)
 
 
 def consumed_tokens_per_s(seq_length: int, global_batch_size: int, data_ranks: int,
@@ -97,7 +124,7 @@ def run(corpus_prefix: Path, cache: Path, data_ranks: int, seq_length: int,
     }
     _print(figures)
     if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
+        write_json(json_path, figures)
     return figures
 
 

@@ -17,6 +17,7 @@ metrics.jsonl). ``--json`` writes ``{"first_iteration_s": {...}, "step_ratio": r
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -26,9 +27,36 @@ import tempfile
 import time
 from pathlib import Path
 
+from ray_ppu.tools.bench.common import write_json
+
 REPO = Path(__file__).resolve().parents[3]
 WARMUP_ITERS = 3
 KINDS = ("ray", "ray-job", "torchrun")
+HELP = "Ray Train vs torchrun step time and startup"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value",
+                        help="applied to both runs (default: the demo config, TP=2 on 2 workers)")
+
+
+def main(args) -> dict:
+    return run(args.rounds, args.iters, args.overrides, args.json)
+
+
+def build_demo_corpus(extra: list[str]) -> None:
+    """The demo config's corpus (with ``extra`` applied), built once."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.tools.demo import build_stdlib_corpus
+    from ray_ppu.data.tokenizer import qwen2
+    from ray_ppu.run import absolute_paths
+
+    # Every launch resolves the demo's relative corpus path against this directory.
+    demo = absolute_paths(load(REPO / "entrypoints" / "configs" / "demo.yaml", extra))
+    build_stdlib_corpus(demo.data.data_path[0], qwen2())
 
 
 def one_run(kind: str, out: Path, iters: int, extra: list[str],
@@ -81,14 +109,8 @@ class _RunningRay:
 
 
 def run(rounds: int, iters: int, extra: list[str], json_path: str | None) -> dict:
-    from ray_ppu.config.loader import load
-    from ray_ppu.data.preprocess import build_stdlib_corpus
-    from ray_ppu.data.tokenizer import qwen2
-    from ray_ppu.run import absolute_paths
-
-    # Every launch resolves the demo's relative corpus path against this directory.
-    demo = absolute_paths(load(REPO / "entrypoints" / "configs" / "demo.yaml", extra))
-    build_stdlib_corpus(demo.data.data_path[0], qwen2())
+    """``rounds`` rounds of the three launches, alternated; the figures printed and written."""
+    build_demo_corpus(extra)
     results: dict[str, list[dict]] = {k: [] for k in KINDS}
     cluster = _RunningRay()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -109,7 +131,7 @@ def run(rounds: int, iters: int, extra: list[str], json_path: str | None) -> dic
     figures = _summary(results)
     _print(figures)
     if json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2))
+        write_json(json_path, figures)
     return figures
 
 

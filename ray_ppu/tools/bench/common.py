@@ -1,0 +1,60 @@
+"""What several benchmarks share: the subcommand parser of their front ends, the small corpus
+they train on when none is named, the metrics.jsonl rows their figures come from, and the
+``--json`` file the figures go to.
+
+Heavy imports stay inside the functions: ``entrypoints/benchmark.py`` imports every bench
+module to build its ``--help``, which must not start torch or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def subcommand_parser(description: str, dest: str, modules: dict):
+    """(parser, its subparsers): one subcommand per ``name: module`` (the module's ``HELP`` and
+    ``add_arguments``), in the dict's order; the description printed as written. Both front
+    ends (entrypoints/benchmark.py, tests/faults/scenarios.py) build theirs with it."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest=dest, required=True)
+    for name, module in modules.items():
+        module.add_arguments(sub.add_parser(name, help=module.HELP))
+    return parser, sub
+
+
+def add_corpus_argument(parser: argparse.ArgumentParser) -> None:
+    """--corpus: the runs' idxmap; without it, :func:`default_corpus` under --dir."""
+    parser.add_argument("--corpus", default=None,
+                        help="idxmap prefix (default: a small stdlib one)")
+
+
+def work_and_corpus(args) -> tuple[Path, str]:
+    """``--dir`` resolved, and ``--corpus`` or the default corpus built under it."""
+    work = Path(args.dir).resolve()
+    return work, args.corpus or default_corpus(work)
+
+
+def default_corpus(work: Path) -> str:
+    """A small idxmap of the standard library's sources under ``work`` (built once)."""
+    from ray_ppu.tools.demo import build_stdlib_corpus
+    from ray_ppu.data.tokenizer import qwen2
+
+    corpus = str(work / "corpus" / "stdlib_text_document")
+    build_stdlib_corpus(corpus, qwen2(), max_bytes=600_000)
+    return corpus
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    """The rows of ``out/metrics.jsonl`` so far ([] before the run wrote any)."""
+    path = Path(out) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_json(path: str | Path, obj, indent: int | None = 2) -> None:
+    """``obj`` as JSON at ``path``; what JSON cannot hold (paths, exceptions) as its str."""
+    Path(path).write_text(json.dumps(obj, indent=indent, default=str))
