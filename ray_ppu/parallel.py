@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import random
-import socket
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -14,6 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from ray_ppu.plan import Plan
+from ray_ppu.util.dist import single_process_group
 
 
 def initialize(plan: Plan, seed: int) -> None:
@@ -56,22 +54,8 @@ def destroy() -> None:
         parallel_state.destroy_model_parallel()
 
 
-@contextlib.contextmanager
-def process_group(backend: str = "cpu") -> Iterator[None]:
+def process_group(backend: str = "cpu") -> contextlib.AbstractContextManager[None]:
     """The default process group for tools outside Ray Train (conversion, generation): the
-    existing one, else torchrun's (its environment), else one process on a free local port.
+    existing one, else torchrun's (its environment), else one of this process alone.
     Destroyed at exit if created here."""
-    if dist.is_initialized():
-        yield
-        return
-    if "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
-                          WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl" if backend == "ppu" else "gloo")
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    return single_process_group("nccl" if backend == "ppu" else "gloo", join_torchrun=True)

@@ -5,6 +5,7 @@ import pytest
 
 from ray_ppu.data import idxmap
 from ray_ppu.data.order import rank_sample_ids, valid_start
+from ray_ppu.util.dist import single_process_group
 
 
 def spec(corpus, tmp_path, train_samples=64, seq_length=32, **kw):
@@ -83,7 +84,7 @@ def megatron_lm_datasets(s: idxmap.SampleSpec, cache, valid_samples=0, test_samp
 
     config = idxmap.megatron_config(dataclasses.replace(s, index_cache_dir=str(cache)))
     sizes = [s.train_samples, valid_samples, test_samples]
-    with idxmap._process_group_of_one():  # as rank 0 of a one-process job
+    with single_process_group():  # as rank 0 of a one-process job
         return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
 

@@ -12,7 +12,6 @@ them with mmap.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -25,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 from ray_ppu.data import sample_reader
+from ray_ppu.util.dist import single_process_group
 from ray_ppu.util.fs import atomic_write_text
 from ray_ppu.errors import BlendError  # noqa: F401 (also imported from here)
 
@@ -189,29 +189,9 @@ def check(spec: SampleSpec) -> list:
     return infos
 
 
-@contextlib.contextmanager
-def _process_group_of_one():
-    """A one-process gloo group when none exists (a Ray task or actor, a test).
-
-    Megatron's index builders ask ``torch.distributed`` for the rank (BlendedDataset does so
-    unconditionally on a cache miss); in a process of its own the answer is rank 0 of 1.
-    Under torchrun the job's own group is used and Megatron coordinates the ranks itself.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _build(spec: SampleSpec) -> dict:
     """Megatron's datasets for the splits this run reads: {"train": ..., "valid": ... | None}."""
-    with _process_group_of_one():
+    with single_process_group():  # Megatron's index builders ask torch.distributed for the rank
         return _build_in_group(spec)
 
 
