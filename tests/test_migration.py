@@ -1,9 +1,10 @@
-"""entrypoints/from_pai_script.py: the PAI guide's 7B launch (``run_dsw_7b.sh``) migrated and
-dry-run through pretrain.py, and one in-process test per quirk of run_mcore_qwen-no-overlap.sh
-that the migration reproduces (config values plus the reinterpretation line on stderr)."""
+"""ray_ppu.tools.pai_migration (entrypoints/from_pai_script.py): the PAI guide's 7B launch
+(``run_dsw_7b.sh``) migrated and dry-run through pretrain.py, and one in-process test per quirk
+of run_mcore_qwen-no-overlap.sh that the migration reproduces (config values plus the
+reinterpretation line the entry point prints on stderr)."""
 
-import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -13,12 +14,9 @@ import yaml
 from conftest import REPO
 
 from ray_ppu.config.loader import load
+from ray_ppu.errors import MigrationError
 from ray_ppu.plan import build_plan
-
-_spec = importlib.util.spec_from_file_location("from_pai_script",
-                                               REPO / "entrypoints" / "from_pai_script.py")
-fps = sys.modules["from_pai_script"] = importlib.util.module_from_spec(_spec)  # dataclasses need it
-_spec.loader.exec_module(fps)
+from ray_ppu.tools import pai_migration
 
 DATA = "/mnt/workspace/megatron-patch/qwen-datasets/wudao_qwenbpe_text_document"
 CKPT = "/mnt/workspace/megatron-patch/qwen-ckpts/Qwen2.5-7B"
@@ -37,16 +35,28 @@ SP_LINE = ("SP=true with TP=1: the script drops sequence parallelism; "
 
 def arguments(**changes) -> list[str]:
     values = {**REFERENCE, **changes}
-    return [values[name] for name in fps.ARGUMENTS]
+    return [values[name] for name in pai_migration.ARGUMENTS]
 
 
-def migrate(tmp_path, capsys, env=None, **changes):
-    """Run the migration in-process: (exit status, YAML tree or None, stderr lines)."""
+def migrate(tmp_path, env=None, **changes):
+    """Run the migration in-process: (exit status, YAML tree or None, stderr lines) as the entry
+    point gives them: 0 and the notes, or 2 and the MigrationError's lines."""
     out = tmp_path / "run.yaml"
     out.unlink(missing_ok=True)
-    status = fps.main(["--output", str(out), "--", *arguments(**changes)], environ=env or {})
-    err = capsys.readouterr().err.splitlines()
-    return status, (yaml.safe_load(out.read_text()) if status == 0 else None), err
+    try:
+        migrated = pai_migration.migrate_launch(arguments(**changes), env or {}, output=out)
+    except MigrationError as err:
+        return 2, None, str(err).splitlines()
+    return 0, yaml.safe_load(out.read_text()), migrated.notes
+
+
+def cli(*argv, **env) -> subprocess.CompletedProcess:
+    """entrypoints/from_pai_script.py as a user runs it; of the script's environment variables
+    (MP_*, WORLD_SIZE) it sees only ``env``."""
+    environ = {k: v for k, v in os.environ.items() if k not in pai_migration.ENV_VARS}
+    return subprocess.run([sys.executable, str(REPO / "entrypoints" / "from_pai_script.py"),
+                           *argv], capture_output=True, text=True, env={**environ, **env},
+                          timeout=120)
 
 
 def plan_of(tmp_path):
@@ -86,8 +96,8 @@ def assert_reference_7b(dry: dict) -> None:
     assert cfg["output"]["name"] == name and cfg["output"]["dir"] == f"{OUT}/{name}"
 
 
-def test_reference_7b_arguments_dry_run(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys)
+def test_reference_7b_arguments_dry_run(tmp_path):
+    status, tree, err = migrate(tmp_path)
     assert status == 0, err
     assert SP_LINE in err
     assert any(line.startswith("AC=false is none of sel, full, offload, none") for line in err)
@@ -134,30 +144,32 @@ ${{DATA}}  \\
 """
 
 
-def test_reference_7b_script_file_dry_run(tmp_path, capsys):
+def test_reference_7b_script_file_dry_run(tmp_path):
     script = tmp_path / "run_dsw_7b.sh"
     script.write_text(RUN_DSW_7B)
     out = tmp_path / "from_script.yaml"
-    assert fps.main([str(script), "--output", str(out)], environ={"MP_VP": ""}) == 0
-    err = capsys.readouterr().err.splitlines()
+    proc = cli(str(script), "--output", str(out), MP_VP="")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.splitlines()
     assert SP_LINE in err
     # the same config as from the arguments (the commented-out MP_VP=2 stayed a comment)
-    assert fps.main(["--output", str(tmp_path / "run.yaml"), "--", *arguments()], environ={}) == 0
+    assert cli("--output", str(tmp_path / "run.yaml"), "--", *arguments()).returncode == 0
     assert yaml.safe_load(out.read_text()) == yaml.safe_load((tmp_path / "run.yaml").read_text())
     assert "MP_DATASET_TYPE=idxmap MP_AC_LAYERS=1" in out.read_text()  # the environment it saw
     assert_reference_7b(dry_run(out))
 
 
-def test_script_file_without_a_call_is_an_error(tmp_path, capsys):
+def test_script_file_without_a_call_is_an_error(tmp_path):
     script = tmp_path / "run.sh"
     script.write_text("#sh run_mcore_qwen.sh dsw 7B\necho nothing\n")
-    assert fps.main([str(script)], environ={}) == 2
-    assert "found 0" in capsys.readouterr().err
+    proc = cli(str(script))
+    assert proc.returncode == 2
+    assert "found 0" in proc.stderr
 
 
-def test_pretraining_iterations_use_bash_integer_division(tmp_path, capsys):
+def test_pretraining_iterations_use_bash_integer_division(tmp_path):
     tokens = 3 * 2**60 - 1  # tokens / 48 / 64 is 2**50 - 1/3072: a double rounds it up to 2**50
-    status, tree, err = migrate(tmp_path, capsys, GLOBAL_BATCH_SIZE="48", SEQ_LEN="64",
+    status, tree, err = migrate(tmp_path, GLOBAL_BATCH_SIZE="48", SEQ_LEN="64",
                                 PAD_LEN="64", TRAIN_TOKENS_OR_ITERS=str(tokens),
                                 WARMUP_TOKENS_OR_ITERS="1000000")
     assert status == 0, err
@@ -171,38 +183,38 @@ def test_pretraining_iterations_use_bash_integer_division(tmp_path, capsys):
     assert not any("TRAIN_TOKENS_OR_ITERS" in line for line in err)  # plain integers: no note
 
 
-def test_scientific_notation_is_the_number_it_denotes_with_a_note(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, TRAIN_TOKENS_OR_ITERS="1e10")
+def test_scientific_notation_is_the_number_it_denotes_with_a_note(tmp_path):
+    status, tree, err = migrate(tmp_path, TRAIN_TOKENS_OR_ITERS="1e10")
     assert status == 0, err
     assert tree["training"]["train_iters"] == 9536
     assert ("TRAIN_TOKENS_OR_ITERS=1e10: bash $(( )) cannot parse 1e10 (the script would stop "
             "with an arithmetic syntax error); taken as 10000000000") in err
-    status, _, err = migrate(tmp_path, capsys, TRAIN_TOKENS_OR_ITERS="1.5e-3")
+    status, _, err = migrate(tmp_path, TRAIN_TOKENS_OR_ITERS="1.5e-3")
     assert status == 2 and "TRAIN_TOKENS_OR_ITERS (${23})" in err[0]
 
 
-def test_sequence_parallel_only_with_tp_above_one(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, SP="true", TP="1")
+def test_sequence_parallel_only_with_tp_above_one(tmp_path):
+    status, tree, err = migrate(tmp_path, SP="true", TP="1")
     assert status == 0 and tree["parallel"]["sequence_parallel"] is False
     assert SP_LINE in err
-    status, tree, err = migrate(tmp_path, capsys, SP="true", TP="2")
+    status, tree, err = migrate(tmp_path, SP="true", TP="2")
     assert status == 0 and tree["parallel"]["sequence_parallel"] is True
     assert tree["parallel"]["tensor_model_parallel_size"] == 2
     assert not any(line.startswith("SP=") for line in err)
 
 
 @pytest.mark.parametrize("ac", ["false", "off"])
-def test_unknown_ac_value_means_no_recompute(tmp_path, capsys, ac):
-    status, tree, err = migrate(tmp_path, capsys, AC=ac)
+def test_unknown_ac_value_means_no_recompute(tmp_path, ac):
+    status, tree, err = migrate(tmp_path, AC=ac)
     assert status == 0 and tree["memory"]["recompute"] == "none"
     assert (f"AC={ac} is none of sel, full, offload, none: the script adds no recompute option; "
             f"memory.recompute=none") in err
-    status, tree, err = migrate(tmp_path, capsys, AC="sel")
+    status, tree, err = migrate(tmp_path, AC="sel")
     assert tree["memory"]["recompute"] == "selective" and not any(l.startswith("AC=") for l in err)
 
 
-def test_optimizer_offload_forces_the_distributed_optimizer(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, DO="false", OPTIMIZER_OFFLOAD="static")
+def test_optimizer_offload_forces_the_distributed_optimizer(tmp_path):
+    status, tree, err = migrate(tmp_path, DO="false", OPTIMIZER_OFFLOAD="static")
     assert status == 0, err
     assert tree["training"]["use_distributed_optimizer"] is True
     assert tree["memory"]["optimizer_offload"] == "static"
@@ -211,44 +223,44 @@ def test_optimizer_offload_forces_the_distributed_optimizer(tmp_path, capsys):
             "optimizer is valid only if $DO=true\"); "
             "training.use_distributed_optimizer=true") in err
     assert "-do-true-" in tree["output"]["name"]  # NAME is built after the script's override
-    status, tree, err = migrate(tmp_path, capsys, DO="false", OPTIMIZER_OFFLOAD="false")
+    status, tree, err = migrate(tmp_path, DO="false", OPTIMIZER_OFFLOAD="false")
     assert tree["training"]["use_distributed_optimizer"] is False
     assert tree["memory"]["optimizer_offload"] == "none"
     assert not any(line.startswith("OPTIMIZER_OFFLOAD=") for line in err)
 
 
-def test_env_dsw_is_one_node_of_16_ppu(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, env={"WORLD_SIZE": "4"}, ENV="dsw")
+def test_env_dsw_is_one_node_of_16_ppu(tmp_path):
+    status, tree, err = migrate(tmp_path, env={"WORLD_SIZE": "4"}, ENV="dsw")
     assert status == 0 and tree["cluster"]["num_workers"] == 16  # dsw ignores WORLD_SIZE
     assert plan_of(tmp_path).data_parallel_size == 16
 
 
-def test_env_dlc_takes_world_size_nodes(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, env={"WORLD_SIZE": "4"}, ENV="dlc")
+def test_env_dlc_takes_world_size_nodes(tmp_path):
+    status, tree, err = migrate(tmp_path, env={"WORLD_SIZE": "4"}, ENV="dlc")
     assert status == 0 and tree["cluster"]["num_workers"] == 64
     assert plan_of(tmp_path).data_parallel_size == 64
-    status, tree, err = migrate(tmp_path, capsys, env={}, ENV="dlc")
+    status, tree, err = migrate(tmp_path, env={}, ENV="dlc")
     assert status == 2 and "WORLD_SIZE" in err[0] and "ENV=dlc" in err[0]
-    status, tree, err = migrate(tmp_path, capsys, ENV="k8s")
+    status, tree, err = migrate(tmp_path, ENV="k8s")
     assert status == 2 and "ENV ($1)='k8s'" in err[0]
 
 
-def test_full_recompute_layers_must_divide_the_stage(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, env={"MP_AC_LAYERS": "3"}, AC="full")
+def test_full_recompute_layers_must_divide_the_stage(tmp_path):
+    status, tree, err = migrate(tmp_path, env={"MP_AC_LAYERS": "3"}, AC="full")
     assert status == 2  # 28 layers / PP 1 = 28, 28 % 3 = 1
     assert "the num layers per pp rank must be a multiple of the recompute layers." in err[0]
-    status, tree, err = migrate(tmp_path, capsys, env={"MP_AC_LAYERS": "3"}, AC="full", PP="2")
+    status, tree, err = migrate(tmp_path, env={"MP_AC_LAYERS": "3"}, AC="full", PP="2")
     assert status == 2  # 28 / 2 = 14, 14 % 3 = 2
-    status, tree, err = migrate(tmp_path, capsys, env={"MP_AC_LAYERS": "7"}, AC="full", PP="2")
+    status, tree, err = migrate(tmp_path, env={"MP_AC_LAYERS": "7"}, AC="full", PP="2")
     assert status == 0, err
     assert tree["memory"] == {"recompute": "full", "recompute_method": "uniform",
                               "recompute_num_layers": 7, "optimizer_offload": "none"}
 
 
-def test_virtual_pipeline_packing_and_raw_sft_data(tmp_path, capsys):
+def test_virtual_pipeline_packing_and_raw_sft_data(tmp_path):
     env = {"MP_VP": "7", "MP_DATASET_TYPE": "raw", "MP_SFT_PACKING": "true"}
     train, valid = "/data/alpaca_zh-qwen-train.json", "/data/alpaca_zh-qwen-valid.json"
-    status, tree, err = migrate(tmp_path, capsys, env=env, PP="2", SFT="true",
+    status, tree, err = migrate(tmp_path, env=env, PP="2", SFT="true",
                                 DATASET_PATH=train, VALID_DATASET_PATH=valid,
                                 TRAIN_TOKENS_OR_ITERS="2000", WARMUP_TOKENS_OR_ITERS="50")
     assert status == 0, err
@@ -265,48 +277,48 @@ def test_virtual_pipeline_packing_and_raw_sft_data(tmp_path, capsys):
     plan = plan_of(tmp_path)
     assert plan.virtual_pipeline_model_parallel_size == 2 and plan.packed_sequences
     # raw data without packing: padded to PAD_LEN, the length the model then trains on
-    status, tree, err = migrate(tmp_path, capsys, env={"MP_DATASET_TYPE": "raw"}, SFT="true",
+    status, tree, err = migrate(tmp_path, env={"MP_DATASET_TYPE": "raw"}, SFT="true",
                                 PAD_LEN="2048", TRAIN_TOKENS_OR_ITERS="2000",
                                 WARMUP_TOKENS_OR_ITERS="50")
     assert status == 0 and tree["data"]["max_padding_length"] == 2048
     assert "packing" not in tree["data"] and plan_of(tmp_path).seq_length == 2048
 
 
-def test_fl_false_is_fused_attention(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, FL="false")
+def test_fl_false_is_fused_attention(tmp_path):
+    status, tree, err = migrate(tmp_path, FL="false")
     assert status == 0 and tree["training"]["attention_backend"] == "fused"
     assert not any(line.startswith("FL=") for line in err)
-    status, tree, err = migrate(tmp_path, capsys, FL="yes")
+    status, tree, err = migrate(tmp_path, FL="yes")
     assert tree["training"]["attention_backend"] == "auto"
     assert any(line.startswith("FL=yes is neither true nor false") for line in err)
 
 
-def test_fp16_keeps_query_key_layer_scaling(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, PR="fp16")
+def test_fp16_keeps_query_key_layer_scaling(tmp_path):
+    status, tree, err = migrate(tmp_path, PR="fp16")
     assert status == 0 and tree["training"]["precision"] == "fp16"
     assert tree["training"]["apply_query_key_layer_scaling"] is True
     assert any(line.startswith("PR=fp16: the script adds --apply-query-key-layer-scaling")
                for line in err)
 
 
-def test_stock_script_keeps_the_overlap_options(tmp_path, capsys):
+def test_stock_script_keeps_the_overlap_options(tmp_path):
     out = tmp_path / "run.yaml"
-    assert fps.main(["--script", "run_mcore_qwen.sh", "-o", str(out), "--", *arguments()],
-                    environ={}) == 0
-    err = capsys.readouterr().err
+    proc = cli("--script", "run_mcore_qwen.sh", "-o", str(out), "--", *arguments())
+    assert proc.returncode == 0
+    err = proc.stderr
     tree = yaml.safe_load(out.read_text())
     assert tree["parallel"]["overlap_grad_reduce"] is True
     assert tree["parallel"]["overlap_param_gather"] is True
     assert "never passes it to torchrun" not in err
 
 
-def test_unknown_model_size_lists_the_presets(tmp_path, capsys):
-    status, _, err = migrate(tmp_path, capsys, MODEL_SIZE="9B")
+def test_unknown_model_size_lists_the_presets(tmp_path):
+    status, _, err = migrate(tmp_path, MODEL_SIZE="9B")
     assert status == 2 and "MODEL_SIZE ($2)='9B'" in err[0] and "7B" in err[0]
 
 
-def test_plan_problems_name_the_argument(tmp_path, capsys):
-    status, _, err = migrate(tmp_path, capsys, GLOBAL_BATCH_SIZE="250")
+def test_plan_problems_name_the_argument(tmp_path):
+    status, _, err = migrate(tmp_path, GLOBAL_BATCH_SIZE="250")
     assert status == 2
     text = "\n".join(err)
     assert "global_batch_size 250 is not divisible" in text
@@ -322,11 +334,11 @@ QWEN2_5_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hid
               "tie_word_embeddings": False, "use_sliding_window": False, "torch_dtype": "bfloat16"}
 
 
-def test_hugging_face_checkpoint_is_loaded_directly(tmp_path, capsys):
+def test_hugging_face_checkpoint_is_loaded_directly(tmp_path):
     hf = tmp_path / "Qwen2.5-7B"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(QWEN2_5_7B))
-    status, tree, err = migrate(tmp_path, capsys, PRETRAIN_CHECKPOINT_PATH=str(hf))
+    status, tree, err = migrate(tmp_path, PRETRAIN_CHECKPOINT_PATH=str(hf))
     assert status == 0, err
     assert tree["checkpoint"]["pretrained"] == str(hf)
     assert "load" not in tree["checkpoint"] and "finetune" not in tree["checkpoint"]
@@ -334,16 +346,16 @@ def test_hugging_face_checkpoint_is_loaded_directly(tmp_path, capsys):
                and "checkpoint.pretrained loads its weights directly" in line for line in err)
     # the preset (MODEL_SIZE=7B) is checked against config.json
     (hf / "config.json").write_text(json.dumps({**QWEN2_5_7B, "num_hidden_layers": 32}))
-    status, tree, err = migrate(tmp_path, capsys, PRETRAIN_CHECKPOINT_PATH=str(hf))
+    status, tree, err = migrate(tmp_path, PRETRAIN_CHECKPOINT_PATH=str(hf))
     assert status == 2
     assert "model.num_layers=28 but num_hidden_layers gives 32" in "\n".join(err)
-    status, tree, err = migrate(tmp_path, capsys, PRETRAIN_CHECKPOINT_PATH="none")
+    status, tree, err = migrate(tmp_path, PRETRAIN_CHECKPOINT_PATH="none")
     assert status == 0 and "load" not in tree["checkpoint"] and "finetune" not in tree["checkpoint"]
     assert not any(line.startswith("PRETRAIN_CHECKPOINT_PATH") for line in err)
 
 
-def test_activation_offload_takes_mp_ac_layers(tmp_path, capsys):
-    status, tree, err = migrate(tmp_path, capsys, env={"MP_AC_LAYERS": "2"}, AC="offload")
+def test_activation_offload_takes_mp_ac_layers(tmp_path):
+    status, tree, err = migrate(tmp_path, env={"MP_AC_LAYERS": "2"}, AC="offload")
     assert status == 0, err
     assert tree["memory"]["activation_offload_layers"] == 2
     assert tree["memory"]["recompute"] == "none"

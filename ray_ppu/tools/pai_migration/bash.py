@@ -1,0 +1,120 @@
+"""Reading a launch script such as the PAI guide's ``run_dsw_7b.sh``: the one call of
+``run_mcore_qwen*.sh`` in it, with the arguments and environment that call gets.
+
+This is a small subset of bash, enough for launch scripts as they are written: line
+continuations, comments, ``;`` / ``&&`` / ``||`` / ``|`` lists, ``VAR=value cmd`` prefixes,
+``export`` / ``unset`` lines, ``$VAR`` / ``${VAR}`` and wrappers such as ``sh`` or ``nohup``.
+Anything it cannot evaluate (command substitution, an unknown variable) is an error rather
+than a guess, since one wrong word would shift every positional argument after it.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from pathlib import Path
+from typing import Mapping
+
+from ray_ppu.errors import MigrationError
+from ray_ppu.tools.pai_migration.launch import Launch
+
+CALLED_SCRIPT = re.compile(r"run_mcore_qwen[\w.-]*\.sh")
+
+
+def logical_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, text) of each shell line, backslash-newline continuations joined."""
+    lines: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not pending:
+            start = number
+        if line.endswith("\\") and not line.lstrip().startswith("#"):
+            pending += line[:-1] + " "
+            continue
+        lines.append((start, pending + line))
+        pending = ""
+    if pending:
+        lines.append((start, pending))
+    return lines
+
+
+def simple_commands(line: str) -> list[list[str]]:
+    """The simple commands of a line (split at ; && || |), comments dropped, quotes removed."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    commands, current = [], []
+    for token in lexer:
+        if token and set(token) <= set(";&|"):
+            commands.append(current)
+            current = []
+        else:
+            current.append(token)
+    commands.append(current)
+    return [c for c in commands if c]
+
+
+def expand(token: str, variables: Mapping[str, str], where: str) -> str:
+    """``$VAR`` / ``${VAR}`` from the variables known at that point; anything else is an error
+    (an unknown variable would shift the positional arguments)."""
+    if "$(" in token or "`" in token:
+        raise MigrationError(f"{where}: command substitution in {token!r} cannot be evaluated")
+
+    def value(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in variables:
+            raise MigrationError(f"{where}: ${name} is not set in the script or the environment")
+        return variables[name]
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", value, token)
+
+
+ASSIGNMENT = re.compile(r"([A-Za-z_]\w*)=(.*)", re.S)
+WRAPPERS = {"sh", "bash", "source", ".", "exec", "nohup", "time", "env"}
+
+
+def parse_script(path: Path, environ: Mapping[str, str]) -> Launch:
+    """The one call of ``run_mcore_qwen*.sh`` in a launch script: its arguments and environment."""
+    variables, exported = dict(environ), set(environ)
+    calls = []
+    for number, line in logical_lines(path.read_text()):
+        where = f"{path}:{number}"
+        try:
+            commands = simple_commands(line)
+        except ValueError as err:
+            raise MigrationError(f"{where}: cannot split the line ({err})") from None
+        for words in commands:
+            words = [expand(w, variables, where) for w in words]
+            if words[0] in ("export", "unset"):
+                for word in words[1:]:
+                    match = ASSIGNMENT.fullmatch(word)
+                    if words[0] == "unset":
+                        variables.pop(word, None)
+                        exported.discard(word)
+                    elif match:
+                        variables[match.group(1)] = match.group(2)
+                        exported.add(match.group(1))
+                    else:
+                        exported.add(word)
+                continue
+            prefix = {}
+            while words and ASSIGNMENT.fullmatch(words[0]):
+                key, value = ASSIGNMENT.fullmatch(words.pop(0)).groups()
+                prefix[key] = value
+            while words and words[0] in WRAPPERS:
+                words.pop(0)
+                while words and ASSIGNMENT.fullmatch(words[0]):  # env VAR=value cmd
+                    key, value = ASSIGNMENT.fullmatch(words.pop(0)).groups()
+                    prefix[key] = value
+            if not words:
+                variables.update(prefix)  # VAR=value alone: a shell variable
+                continue
+            if CALLED_SCRIPT.fullmatch(posixpath.basename(words[0])):
+                env = {k: variables[k] for k in exported if k in variables} | prefix
+                calls.append(Launch(tuple(words[1:]), env, posixpath.basename(words[0]),
+                                    f"{where}"))
+    if len(calls) != 1:
+        found = ", ".join(c.source for c in calls) or "none"
+        raise MigrationError(f"{path}: expected one call of run_mcore_qwen*.sh, found "
+                             f"{len(calls)} ({found}); pass the 25 arguments directly instead")
+    return calls[0]
