@@ -1,0 +1,93 @@
+"""Loading a checkpoint into a freshly built model, optimizer and schedule: :func:`load`.
+
+Named ``loading`` rather than ``load`` so that the module does not share its name with the
+function the package exports (``ray_ppu.checkpoint.load`` is the function).
+
+It checks first that the checkpoint can be resumed by this run exactly (global batch, layout)
+and, after loading, that what it holds is what its meta file and hence the data stream say.
+Megatron-Core is imported when a load runs: the driver imports this package and never loads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ray_ppu.checkpoint.layout import META_FILE, _warn_once, config_hash, read_meta
+from ray_ppu.checkpoint.optimizer_workarounds import _restore_adam_steps
+from ray_ppu.checkpoint.resume import ResumePoint, _check_model
+from ray_ppu.checkpoint.rng import _rng_sharded, _set_rng_state
+from ray_ppu.checkpoint.saver import _sharded_state
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.errors import CheckpointError
+from ray_ppu.util.wrappers import unwrap
+
+
+def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunConfig) -> int:
+    """Load ``resume`` into the freshly built model (and optimizer, schedule, RNG unless
+    ``weights_only``); collective. Returns the iteration training continues at.
+
+    1. Check the meta against this run: same global batch and config hash for an exact resume;
+       the DP size may differ (the optimizer layout re-cuts), TP/PP may not (weights only may).
+    2. ``dist_checkpointing.load`` of the sharded state this run's layout asks for.
+    3. Weights into the model chunks; then optimizer, scheduler and RNG states, or for weights
+       only a refresh of the optimizer's main-parameter copies.
+    4. The loaded ``iteration`` must be the meta's (and hence the data stream's) iteration.
+    """
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(resume.path)
+    if meta is None:
+        raise CheckpointError(f"{resume.path}: {META_FILE} disappeared")
+    _check_model(resume, cfg)
+    same_layout = (meta.tensor_model_parallel_size == plan.tensor_model_parallel_size
+                   and meta.pipeline_model_parallel_size == plan.pipeline_model_parallel_size)
+    if not resume.weights_only:
+        if meta.global_batch_size != plan.global_batch_size:
+            raise CheckpointError(
+                f"{resume.path} was trained with global batch {meta.global_batch_size}, this run "
+                f"has {plan.global_batch_size}: the data position would not carry over "
+                f"(use checkpoint.finetune=true to take the weights only)")
+        if not same_layout:
+            raise CheckpointError(
+                f"{resume.path} was saved at TP {meta.tensor_model_parallel_size} × PP "
+                f"{meta.pipeline_model_parallel_size}, this run is TP "
+                f"{plan.tensor_model_parallel_size} × PP {plan.pipeline_model_parallel_size}: "
+                f"the optimizer state ({meta.optimizer_format}) reshards across DP only "
+                f"(use checkpoint.finetune=true to take the weights only)")
+        if meta.config_hash != config_hash(cfg):
+            _warn_once(f"{resume.path} was saved by a run with another model/data/batch "
+                       f"configuration (hash {meta.config_hash} != {config_hash(cfg)})")
+
+    state = _sharded_state(model, None if resume.weights_only else optimizer, is_loading=True)
+    if not resume.weights_only:
+        state["scheduler"] = None
+        state["iteration"] = None
+        state["consumed_samples"] = None
+        if same_layout:
+            state["rng_state"] = _rng_sharded(with_cuda=False)
+    loaded = dist_checkpointing.load(state, resume.path)
+
+    if len(model) == 1:
+        unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, chunk in enumerate(model):
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    if resume.weights_only:
+        # The optimizer copied the (random) weights into its main parameters when it was built.
+        if optimizer is not None:
+            optimizer.reload_model_params()
+        return 0
+    # no_grad: Megatron-Core 0.16.1's dp_reshardable loader copies into the main parameters
+    # without it (its other loaders have it); in fp32 they are views of the model parameters,
+    # which require grad, and autograd refuses the in-place copy.
+    with torch.no_grad():
+        optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer)
+    scheduler.load_state_dict(loaded["scheduler"])
+    if "rng_state" in loaded:
+        _set_rng_state(loaded["rng_state"])
+    iteration = int(loaded["iteration"])
+    if iteration != meta.iteration or loaded["consumed_samples"] != meta.consumed_samples:
+        raise CheckpointError(f"{resume.path}: the checkpoint holds iteration {iteration}, "
+                              f"its {META_FILE} says {meta.iteration}")
+    return iteration

@@ -1,0 +1,150 @@
+"""Where a run starts, decided in one place, and the checks of a run's checkpoint settings.
+
+:func:`resume_point` is the one rule (the package docstring says why the file system decides
+and who asks it); :func:`record_stream_start` writes down what a (re)started group chose;
+:func:`origin` carries the Hugging Face source of the weights into later checkpoints;
+:func:`check_config` rejects settings that cannot work before any worker starts.
+
+No torch at import: the driver calls all of these before any worker exists.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ray_ppu.checkpoint.layout import META_FILE, Meta, damage, latest, read_meta, save_root
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.data.order import valid_start
+from ray_ppu.errors import CheckpointError, ConfigError
+from ray_ppu.util.fs import atomic_write_text
+
+STREAM_START_FILE = "stream_start.json"
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A complete checkpoint a run starts from; ``weights_only`` for ``checkpoint.finetune``."""
+
+    path: str
+    meta: Meta
+    weights_only: bool = False
+
+    @property
+    def iteration(self) -> int:
+        """The iteration training continues at (0 when only the weights are taken)."""
+        return 0 if self.weights_only else self.meta.iteration
+
+
+def resume_point(cfg: RunConfig) -> Optional[ResumePoint]:
+    """Where this run starts: THE decision, made the same way by the driver and every worker
+    (package docstring).
+
+    1. The latest complete checkpoint in the run's own save root: an exact resume.
+    2. Else ``checkpoint.load``: a checkpoint directory, or a directory of them (the latest
+       complete one); weights only when ``checkpoint.finetune``.
+    3. Else None: a fresh start.
+    """
+    own = latest(save_root(cfg))
+    if own is not None:
+        return ResumePoint(str(own[0]), own[1])
+    if not cfg.checkpoint.load:
+        return None
+    load = Path(cfg.checkpoint.load).expanduser()
+    meta = read_meta(load)
+    if meta is not None:
+        broken = damage(load, meta)
+        if broken:
+            raise CheckpointError(f"checkpoint.load {load} is damaged: {broken}")
+        found: Optional[tuple[Path, Meta]] = (load, meta)
+    elif (load / "metadata.json").is_file():  # a Megatron checkpoint whose save did not finish
+        raise CheckpointError(f"checkpoint.load {load} has no {META_FILE}: its save did not "
+                              f"finish; point checkpoint.load at a complete checkpoint")
+    else:
+        found = latest(load)
+    if found is None:
+        raise CheckpointError(f"checkpoint.load {load}: no complete checkpoint there "
+                              f"(a directory with {META_FILE}, or a directory of them)")
+    return ResumePoint(str(found[0].resolve()), found[1],
+                       weights_only=cfg.checkpoint.finetune or found[1].weights_only)
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Reject checkpoint settings that cannot work, before any worker starts."""
+    c = cfg.checkpoint
+    if c.save_interval is not None and c.save_interval < 1:
+        raise ConfigError(f"checkpoint.save_interval={c.save_interval}: expected ≥ 1, or null "
+                          f"to save only at the end")
+    if c.keep_last < 1:
+        raise ConfigError(f"checkpoint.keep_last={c.keep_last}: expected ≥ 1")
+    if c.memory_interval is not None and c.memory_interval < 0:
+        raise ConfigError(f"checkpoint.memory_interval={c.memory_interval}: expected ≥ 1, 0 for "
+                          f"no in-memory snapshots, or null for every iteration within 2 % of "
+                          f"the step")
+    if c.finetune and not c.load:
+        raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to start from)")
+    if c.pretrained:
+        if c.load:
+            raise ConfigError(f"checkpoint.pretrained={c.pretrained} and checkpoint.load={c.load}: "
+                              f"set one (the weights a fresh run starts from)")
+        from ray_ppu.hf.weights import check_checkpoint
+
+        check_checkpoint(c.pretrained, cfg.model)
+    if c.load:
+        try:
+            start = resume_point(cfg)
+        except CheckpointError:
+            return  # the workers' load names what is wrong with it
+        if start is not None:
+            _check_model(start, cfg)
+
+
+# Fields that shape the weights: a checkpoint of another architecture cannot be loaded.
+_WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "vocab_size", "add_qkv_bias",
+                  "untie_embeddings_and_output_weights")
+
+
+def _check_model(start: ResumePoint, cfg: RunConfig) -> None:
+    """The checkpoint's recorded model (if it records one) has this run's weight shapes."""
+    saved = start.meta.model
+    if not saved:
+        return
+    wrong = [f"model.{k}: checkpoint {saved[k]!r}, this run {getattr(cfg.model, k)!r}"
+             for k in _WEIGHT_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)]
+    if wrong:
+        raise ConfigError(f"{start.path} holds another model than this run's: "
+                          + "; ".join(wrong))
+
+
+def origin(cfg: RunConfig, resume: Optional[ResumePoint]) -> dict:
+    """Where the run's weights came from, for its checkpoints' meta: the Hugging Face config
+    and directory of ``checkpoint.pretrained``, or carried over from the checkpoint it loaded."""
+    if resume is not None:
+        meta = resume.meta
+        return {"hf_config": meta.hf_config, "hf_source": meta.hf_source}
+    if cfg.checkpoint.pretrained:
+        from ray_ppu.hf import config as hf_config
+
+        source = Path(cfg.checkpoint.pretrained).expanduser().resolve()
+        return {"hf_config": hf_config.read(source), "hf_source": str(source)}
+    return {}
+
+
+def record_stream_start(cfg: RunConfig, token: str, resume: Optional[ResumePoint],
+                        eval_interval: int, eval_iters: int) -> dict:
+    """Write down where a (re)started group's data streams begin: ``<save root>/stream_start.json``
+    with the launch's ``token``, the checkpoint, and the first step of each split. Rank 0 of
+    every group writes it; the fault tests and ``benchmark.py recovery`` read it."""
+    iteration = resume.iteration if resume else 0
+    record = {"token": token, "iteration": iteration,
+              "checkpoint": resume.path if resume else None,
+              "weights_only": bool(resume and resume.weights_only), "time": time.time(),
+              "train": iteration, "valid": valid_start(iteration, eval_interval, eval_iters)}
+    root = save_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(root / STREAM_START_FILE, json.dumps(record, indent=2))
+    return record
