@@ -21,7 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.data.preprocess import preprocess_with_ray, resolve_inputs  # noqa: E402
+from ray_ppu.data.preprocess import preprocess_with_ray  # noqa: E402
+from ray_ppu.data.readers import resolve_inputs  # noqa: E402
 from ray_ppu.errors import PreprocessError  # noqa: E402
 from ray_ppu.data.tokenizer import load_tokenizer  # noqa: E402
 

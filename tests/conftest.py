@@ -30,7 +30,8 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
     """Standard-library sources tokenized with the real Qwen2 BPE into a Megatron idxmap."""
-    from ray_ppu.data.preprocess import stdlib_sources, write_idxmap
+    from ray_ppu.data.preprocess import write_idxmap
+    from ray_ppu.tools.demo import stdlib_sources
     from ray_ppu.data.tokenizer import qwen2
 
     prefix = tmp_path_factory.mktemp("corpus") / "stdlib_text_document"
@@ -42,7 +43,8 @@ def corpus(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def corpus_b(tmp_path_factory) -> str:
     """A second, smaller idxmap (the first corpus's files in reverse order): blends need two."""
-    from ray_ppu.data.preprocess import stdlib_sources, write_idxmap
+    from ray_ppu.data.preprocess import write_idxmap
+    from ray_ppu.tools.demo import stdlib_sources
     from ray_ppu.data.tokenizer import qwen2
 
     prefix = tmp_path_factory.mktemp("corpus_b") / "stdlib_reversed_text_document"

@@ -25,14 +25,12 @@ from conftest import REPO
 from ray_ppu.data.preprocess import (
     PreprocessError,
     _tokenized_dataset,
-    build_demo_corpus,
-    build_stdlib_corpus,
     preprocess_with_ray,
-    resolve_inputs,
-    stdlib_sources,
     write_idxmap,
 )
+from ray_ppu.data.readers import resolve_inputs
 from ray_ppu.data.tokenizer import QWEN2_EOD, export_qwen2_tokenizer, load_tokenizer, qwen2
+from ray_ppu.tools.demo import build_demo_corpus, build_stdlib_corpus, stdlib_sources
 
 # Non-ASCII the standard library lacks: CJK, emoji (ZWJ sequences, skin tones, flags, keycaps),
 # other scripts, and the whitespace / contraction corners where two regex engines could differ.

@@ -1,4 +1,4 @@
-"""SFT samples from raw JSON shards (ray_ppu/data/sft.py), with the real Qwen2 tokenizer.
+"""SFT samples from raw JSON shards (ray_ppu/data/sft/), with the real Qwen2 tokenizer.
 
 What must hold: only assistant tokens (and their <|im_end|>) carry loss, token by token, for
 alpaca and multi-turn chat, Chinese included; text that spells a special token stays text;
@@ -22,7 +22,6 @@ from ray_ppu.data.sft import (
     DROP_REASONS,
     ChatEncoder,
     SFTOptions,
-    block_diagonal_causal_mask,
     make_sample,
     sft_dataset,
     sft_rows,
@@ -339,6 +338,8 @@ def test_packing_layout_and_masks(encoder):
     import torch
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
+    from ray_ppu.train_loop import packed_attention_mask
+
     records = (ALPACA + CHAT) * 3
     seq = 192
     padded, _ = sft_rows(records, encoder, seq_length=seq)  # one sample per row: the reference
@@ -376,14 +377,14 @@ def test_packing_layout_and_masks(encoder):
         mask, _, positions = _get_ltor_masks_and_position_ids(
             data, eod_token=7, reset_position_ids=True, reset_attention_mask=True,
             eod_mask_loss=False, create_attention_mask=True)
-        ours = block_diagonal_causal_mask(cu, count, seq)
+        ours = packed_attention_mask(torch.as_tensor(cu)[None], seq)[0].numpy()
         assert ours.shape == (1, seq, seq) and ours.dtype == bool
         assert (ours == mask.numpy()).all()  # True = masked out, Megatron's convention
         assert (positions.numpy() == rows["position_ids"][r]).all()
     assert sample == len(records)
     # Across samples: the first token of sample 2 sees itself, not the last of sample 1.
     cu = rows["cu_seqlens"][0]
-    ours = block_diagonal_causal_mask(cu, int(rows["num_seqs"][0]), seq)[0]
+    ours = packed_attention_mask(torch.as_tensor(cu)[None], seq)[0, 0].numpy()
     assert ours[cu[1], cu[1] - 1] and not ours[cu[1], cu[1]] and not ours[cu[1] - 1, 0]
     # Efficiency: real tokens over row tokens, better than one sample per padded row.
     assert stats["packing_efficiency"] == pytest.approx(sum(lengths) / (len(expected) * seq))

@@ -15,12 +15,9 @@ Both produce byte-identical files for the same texts and tokenizer.
 
 from __future__ import annotations
 
-import codecs
-import glob
 import json
 import logging
 import os
-import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +28,15 @@ import pyarrow as pa
 import ray.data
 from ray.data.datasource import FileBasedDatasource
 
-from ray_ppu.data.tokenizer import Tokenizer, export_qwen2_tokenizer, load_tokenizer
+from ray_ppu.data.readers import (
+    NOT_AN_ARRAY,
+    WHOLE_FILE,
+    ParquetRandomAccess,
+    input_format,
+    json_records,
+    resolve_inputs,
+)
+from ray_ppu.data.tokenizer import Tokenizer, load_tokenizer
 from ray_ppu.errors import remote_cause
 from ray_ppu.errors import PreprocessError  # noqa: F401 (also imported from here)
 
@@ -89,34 +94,6 @@ def write_idxmap(texts: Iterable[str], tokenizer: Tokenizer, prefix: str | Path,
     return CorpusStats(str(prefix), documents, tokens, skipped)
 
 
-def stdlib_sources(max_bytes: int) -> Iterator[str]:
-    """The Python standard library's own ``.py`` files, in a fixed order, up to ``max_bytes``.
-
-    Real text that ships with every Python: the demo corpus needs no download.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    total = 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        total += len(text)
-        if total > max_bytes:
-            return
-        yield text
-
-
-def build_stdlib_corpus(prefix: str | Path, tokenizer: Tokenizer, max_bytes: int = 4_000_000) -> CorpusStats | None:
-    """The demo corpus: the standard library's sources as Qwen2 tokens; None if already built."""
-    prefix = Path(prefix)
-    if prefix.with_name(prefix.name + ".bin").is_file() and prefix.with_name(prefix.name + ".idx").is_file():
-        return None
-    return write_idxmap(stdlib_sources(max_bytes), tokenizer, prefix)
-
-
 # --- JSONL / JSON / Parquet → idxmap, in parallel with Ray Data -----------------------------------
 #
 # Reading: a small FileBasedDatasource of our own rather than ray.data.read_json: read_json
@@ -134,73 +111,35 @@ def build_stdlib_corpus(prefix: str | Path, tokenizer: Tokenizer, max_bytes: int
 # Writing: this process, in input order (preserve_order), with Megatron's IndexedDatasetBuilder.
 
 SKIP_REASONS = ("empty", "missing", "not_string")
-_COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".lz4")  # pyarrow decompresses by file name
 # One tokenizer call per block of records: bounded in rows and in text bytes.
 _RECORDS_PER_BLOCK = 1024
 _TEXT_BYTES_PER_BLOCK = 16 << 20
 
 
-def _input_format(name: str) -> str | None:
-    """``jsonl``, ``json`` or ``parquet`` from a file name; None for anything else."""
-    name = name.lower()
-    if name.endswith(".parquet"):
-        return "parquet"
-    for suffix in _COMPRESSION_SUFFIXES:
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-            break
-    if name.endswith((".jsonl", ".ndjson")):
-        return "jsonl"
-    if name.endswith(".json"):
-        return "json"  # a JSON array of objects, or JSONL under a .json name (decided on read)
-    return None
+@dataclass(frozen=True)
+class _InvalidJSON:
+    """What :func:`_parse_json` gives for bytes that are not JSON."""
+
+    message: str
 
 
-def _is_data_file(path: Path) -> bool:
-    # Hidden and underscore files are bookkeeping (.crc, _SUCCESS, our own .tmp files), not data.
-    return path.is_file() and not path.name.startswith((".", "_")) and _input_format(path.name) is not None
-
-
-def resolve_inputs(paths: Sequence[str | Path]) -> list[str]:
-    """Expand files, directories (recursively) and globs into absolute data-file paths.
-
-    Order is the order of ``paths``; within a directory or glob, sorted by path. Raises
-    PreprocessError naming the path when a path does not exist or matches no .jsonl / .ndjson
-    / .json / .parquet file (optionally .gz / .zst / .bz2 / .lz4 compressed for JSON).
-    """
-    if not paths:
-        raise PreprocessError("no input paths given")
-    files: list[str] = []
-    for spec in map(str, paths):
-        path = Path(spec)
-        if path.is_file():
-            if _input_format(path.name) is None:
-                raise PreprocessError(f"{spec}: not a .jsonl, .json or .parquet file")
-            found = [path]
-        elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if _is_data_file(p))
-            if not found:
-                raise PreprocessError(f"{spec}: directory holds no .jsonl, .json or .parquet files")
-        elif glob.has_magic(spec):
-            found = []
-            for match in sorted(glob.glob(spec, recursive=True)):
-                m = Path(match)
-                found += sorted(p for p in m.rglob("*") if _is_data_file(p)) if m.is_dir() else [m]
-            found = [p for p in found if _is_data_file(p)]
-            if not found:
-                raise PreprocessError(f"{spec}: no .jsonl, .json or .parquet files match")
-        else:
-            raise PreprocessError(f"{spec}: no such file or directory")
-        # Absolute: Ray workers do not share this process's working directory.
-        files.extend(str(p.resolve()) for p in found)
-    return files
-
-
-def _json_line(line: bytes, path: str, number: int) -> object:
+def _parse_json(data: bytes) -> object:
     try:
-        return json.loads(line)
-    except ValueError as err:  # a corrupt file is an error, never a skipped record
-        raise PreprocessError(f"{path}: line {number}: invalid JSON: {err}") from None
+        return json.loads(data)
+    except ValueError as err:
+        return _InvalidJSON(f"invalid JSON: {err}")
+
+
+def _json_file_records(f, path: str) -> Iterator[tuple[object, str]]:
+    """``(record, where)`` of a JSON Lines or JSON-array file; a corrupt file is an error
+    (PreprocessError naming the file, and the line for JSON Lines), never a skipped record."""
+    for where, record in json_records(f, _parse_json):
+        if isinstance(record, _InvalidJSON):
+            raise PreprocessError(f"{path}: {record.message}" if where == WHOLE_FILE
+                                  else f"{path}: {where}: {record.message}")
+        if where == WHOLE_FILE:  # parsed, but not to an array
+            raise PreprocessError(f"{path}: {NOT_AN_ARRAY}")
+        yield record, where
 
 
 def _classify(record: object, key: str) -> tuple[str | None, str | None]:
@@ -217,7 +156,7 @@ def _classify(record: object, key: str) -> tuple[str | None, str | None]:
     return value, None
 
 
-class _TextRecords(FileBasedDatasource):
+class _TextRecords(ParquetRandomAccess, FileBasedDatasource):
     """One row per record of JSONL / JSON-array / Parquet files: ``text`` (null when unusable),
     ``skip`` (the reason, null when usable), ``source`` (the file) and ``where`` (the record's
     place in it, for messages)."""
@@ -226,13 +165,8 @@ class _TextRecords(FileBasedDatasource):
         super().__init__(paths)
         self._key = key
 
-    def _open_input_source(self, filesystem, path: str, **open_args):
-        if _input_format(path) == "parquet":  # the footer is at the end: needs random access
-            return filesystem.open_input_file(path)
-        return super()._open_input_source(filesystem, path, **open_args)
-
     def _read_stream(self, f, path: str):
-        if _input_format(path) == "parquet":
+        if input_format(path) == "parquet":
             yield from self._read_parquet(f, path)
         else:
             yield from self._read_json(f, path)
@@ -259,32 +193,7 @@ class _TextRecords(FileBasedDatasource):
             yield self._table(rows, path)
 
     def _read_json(self, f, path: str):
-        chunk_bytes = 8 << 20
-        head = f.read(chunk_bytes).removeprefix(codecs.BOM_UTF8)  # some Windows tools write one
-        if head.lstrip()[:1] == b"[":  # a JSON array of records: it has to be parsed whole
-            try:
-                records = json.loads(head + f.read())
-            except ValueError as err:
-                raise PreprocessError(f"{path}: invalid JSON: {err}") from None
-            if not isinstance(records, list):
-                raise PreprocessError(f"{path}: expected a JSON array of records")
-            yield from self._records_out(((r, f"element {i}") for i, r in enumerate(records)), path)
-            return
-
-        def lines():  # JSONL, streamed: one chunk of the file in memory at a time
-            pending, number, chunk = b"", 0, head
-            while chunk:
-                pieces = (pending + chunk).split(b"\n")
-                pending = pieces.pop()  # the last piece may continue in the next chunk
-                for line in pieces:
-                    number += 1
-                    if line.strip():  # a blank line is not a record (files often end in one)
-                        yield _json_line(line, path, number), f"line {number}"
-                chunk = f.read(chunk_bytes)
-            if pending.strip():
-                yield _json_line(pending, path, number + 1), f"line {number + 1}"
-
-        yield from self._records_out(lines(), path)
+        yield from self._records_out(_json_file_records(f, path), path)
 
     def _read_parquet(self, f, path: str):
         import pyarrow.parquet as pq
@@ -444,47 +353,3 @@ def preprocess_with_ray(inputs: Sequence[str | Path], output_prefix: str | Path,
     log.info("%s: %d documents, %d tokens from %d files in %.1f s (%.0f tokens/s, %d workers)",
              prefix, documents, tokens, len(files), seconds, stats.tokens_per_s, workers)
     return stats
-
-
-DEMO_SHARDS = 4
-
-
-def build_demo_corpus(out_dir: str | Path, max_bytes: int = 4_000_000, workers: int | None = None) -> str:
-    """The demo corpus the Hugging Face way; returns its idxmap prefix.
-
-    Exports the Qwen2 tokenizer to ``out_dir/tokenizer``, writes the standard library's
-    sources as ``DEMO_SHARDS`` JSONL shards under ``out_dir/raw/`` and tokenizes them with
-    :func:`preprocess_with_ray` (``workers`` tokenizer actors, default one per CPU) into
-    ``out_dir/stdlib_text_document``; does nothing when that
-    ``.bin``/``.idx`` already exist. The shards keep the files' order, so the corpus is
-    byte-identical to :func:`build_stdlib_corpus` with :func:`qwen2` for the same ``max_bytes``.
-
-    Ray: uses the Ray this process is connected to; if none, starts a local one and shuts it
-    down before returning (so a later ``ray.init`` with other resources, e.g. the launcher's
-    simulated PPUs, still works). Connect first to avoid starting Ray twice.
-    """
-    out_dir = Path(out_dir)
-    prefix = out_dir / "stdlib_text_document"
-    if prefix.with_name(prefix.name + ".bin").is_file() and prefix.with_name(prefix.name + ".idx").is_file():
-        return str(prefix)
-    tokenizer_dir = export_qwen2_tokenizer(out_dir / "tokenizer")
-    raw = out_dir / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    texts = list(stdlib_sources(max_bytes))
-    per_shard = -(-len(texts) // DEMO_SHARDS)
-    for shard in range(DEMO_SHARDS):
-        path = raw / f"stdlib-{shard:05d}-of-{DEMO_SHARDS:05d}.jsonl"
-        tmp = raw / f".{path.name}.tmp"
-        with tmp.open("w", encoding="utf-8") as out:
-            for text in texts[shard * per_shard:(shard + 1) * per_shard]:
-                out.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
-        tmp.replace(path)
-    started_ray = not ray.is_initialized()
-    if started_ray:  # RAY_ADDRESS joins that cluster; otherwise a new local Ray, never a stale one
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
-    try:
-        preprocess_with_ray([str(raw)], prefix, tokenizer_dir, workers=workers)
-    finally:
-        if started_ray:
-            ray.shutdown()
-    return str(prefix)

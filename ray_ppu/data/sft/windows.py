@@ -1,0 +1,171 @@
+"""One packing window → rows and statistics; and the whole pipeline in this process, without Ray.
+
+:func:`process_window` is the step every path runs: the Ray Data actors
+(:mod:`ray_ppu.data.sft.ray_source`) and the in-process :func:`sft_rows` (already-parsed
+records: tests, inspection) and :func:`sft_rows_from_files` (files: inspection, torchrun runs
+without Ray). All of them cut the input into the same windows, so they give the same rows in
+the same order. The statistics of each window (records read, used, dropped per reason with the
+first message of each reason, tokens) merge into the summary that :func:`sft_dataset`
+documents.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ray_ppu.data.sft.chat_encoder import ChatEncoder
+from ray_ppu.data.sft.files import file_entries, open_local, problem_or_raise, resolve_sft_inputs, windows
+from ray_ppu.data.sft.records import DROP_REASONS, RecordProblem, conversation_from_record
+from ray_ppu.data.sft.rows import (
+    DEFAULT_MAX_SAMPLES_PER_ROW,
+    DEFAULT_WINDOW,
+    SFTOptions,
+    concat_rows,
+    empty_rows,
+    make_sample,
+    pack_rows,
+    pad_rows,
+)
+from ray_ppu.errors import PreprocessError
+
+# --- statistics -------------------------------------------------------------------------------
+
+
+def new_stats() -> dict:
+    """The statistics of no records."""
+    return {"records_read": 0, "samples_used": 0, "dropped": dict.fromkeys(DROP_REASONS, 0),
+            "truncated": 0, "rows": 0, "sample_tokens": 0, "row_tokens": 0, "loss_tokens": 0,
+            "examples": {}}
+
+
+def _count_problem(stats: dict, reason: str, message: str) -> None:
+    stats["dropped"][reason] += 1
+    stats["examples"].setdefault(reason, message)
+
+
+def merge_stats(parts: Iterable[dict]) -> dict:
+    """The summary of several windows' statistics (in window order: the first example wins)."""
+    total = new_stats()
+    for part in parts:
+        for key in ("records_read", "samples_used", "truncated", "rows", "sample_tokens", "row_tokens",
+                    "loss_tokens"):
+            total[key] += part[key]
+        for reason, n in part["dropped"].items():
+            total["dropped"][reason] += n
+        for reason, message in part["examples"].items():
+            total["examples"].setdefault(reason, message)
+    total["dropped_total"] = sum(total["dropped"].values())
+    total["packing_efficiency"] = total["sample_tokens"] / total["row_tokens"] if total["row_tokens"] else 0.0
+    return total
+
+
+# --- one window: conversations → rows ---------------------------------------------------------
+
+
+def process_window(entries: Sequence[tuple], encoder: ChatEncoder, options: SFTOptions):
+    """Rows and statistics of one window of entries (see the package docstring)."""
+    stats = new_stats()
+    stats["records_read"] = len(entries)
+    good = [e for e in entries if e[0] == "ok"]
+    for entry in entries:
+        if entry[0] == "problem":
+            _count_problem(stats, entry[1], entry[2])
+    samples = []
+    length = options.row_length
+    for entry, result in zip(good, encoder.encode_many([e[1] for e in good])):
+        if isinstance(result, RecordProblem):
+            message = f"{entry[2]}: {result.message}"
+            if options.on_error == "fail":
+                raise PreprocessError(message)
+            _count_problem(stats, result.reason, message)
+            continue
+        sample = make_sample(*result, length)
+        if sample is None:
+            _count_problem(stats, "prompt_too_long", f"{entry[2]}: the prompt alone is "
+                           f"{result[1].index(1)} tokens, the row {length}")
+            continue
+        samples.append(sample)
+        stats["truncated"] += sample[3]
+        stats["sample_tokens"] += len(sample[0])
+        stats["loss_tokens"] += int(sample[2].sum())
+    stats["samples_used"] = len(samples)
+    if not samples:
+        rows = empty_rows(options)
+    elif options.packing:
+        rows = pack_rows(samples, options.seq_length, encoder.pad_id, options.max_samples_per_row)
+    else:
+        rows = pad_rows(samples, length, encoder.pad_id)
+    stats["rows"] = len(rows["tokens"])
+    stats["row_tokens"] = stats["rows"] * length
+    return rows, stats
+
+
+# --- the whole pipeline in this process -------------------------------------------------------
+
+
+def as_encoder(tokenizer) -> ChatEncoder:
+    """``tokenizer`` itself when it is a :class:`ChatEncoder`, else the one of that directory."""
+    return tokenizer if isinstance(tokenizer, ChatEncoder) else ChatEncoder(tokenizer)
+
+
+def sft_rows(records: Sequence[object], tokenizer: ChatEncoder | str | Path, seq_length: int,
+             max_padding_length: int | None = None, packing: bool = False, on_error: str = "skip",
+             *, window: int = DEFAULT_WINDOW, max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW,
+             source: str = "<records>") -> tuple[dict[str, np.ndarray], dict]:
+    """Rows and summary of already-parsed records, in this process (tests, inspection).
+
+    ``records`` are treated as one file named ``source`` (windows of ``window`` records), so a
+    JSONL file holding the same records gives the same rows through :func:`sft_dataset`.
+    ``tokenizer``: a :class:`ChatEncoder` or a tokenizer directory. Returns ``(rows, summary)``;
+    rows: dict of arrays ``[n_rows, row_length]`` (+ packing columns), summary: see
+    :func:`sft_dataset`.
+    """
+    options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row)
+    encoder = as_encoder(tokenizer)
+
+    def entries():
+        for i, record in enumerate(records):
+            try:
+                yield ("ok", conversation_from_record(record), f"{source}: record {i}")
+            except RecordProblem as problem:
+                yield problem_or_raise(problem.reason, f"{source}: record {i}: {problem.message}", on_error)
+
+    return _run_windows([windows(entries(), options.window)], encoder, options, files=1)
+
+
+def sft_rows_from_files(paths: Sequence[str | Path], tokenizer: ChatEncoder | str | Path, seq_length: int,
+                        max_padding_length: int | None = None, packing: bool = False,
+                        on_error: str = "skip", *, window: int = DEFAULT_WINDOW,
+                        max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW
+                        ) -> tuple[dict[str, np.ndarray], dict]:
+    """:func:`sft_dataset`'s rows and summary, computed in this process without Ray.
+
+    Same arguments and the same rows in the same order (the windows are the same); for
+    inspection, and for runs without Ray (torchrun).
+    """
+    options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row)
+    files = resolve_sft_inputs(paths)
+    encoder = as_encoder(tokenizer)
+
+    def file_windows(path):
+        with open_local(path) as f:
+            yield from windows(file_entries(f, path, on_error), options.window)
+
+    return _run_windows([file_windows(p) for p in files], encoder, options, files=len(files))
+
+
+def _run_windows(per_file, encoder: ChatEncoder, options: SFTOptions, files: int):
+    parts, stats = [], []
+    count = 0
+    for file_windows in per_file:
+        for _, _, entries in file_windows:
+            rows, window_stats = process_window(entries, encoder, options)
+            parts.append(rows)
+            stats.append(window_stats)
+            count += 1
+    summary = merge_stats(stats)
+    summary.update(files=files, windows=count, complete=True)
+    return concat_rows(parts, options), summary
