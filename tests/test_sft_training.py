@@ -164,7 +164,10 @@ def test_packed_sft_at_tp2_learns_and_resumes_exactly_under_ray_train(
     cfg = absolute_paths(load(None, sft_overrides(
         sft_files, qwen2_tokenizer_dir, tmp_path / "run", "data.packing=true",
         "cluster.num_workers=2", "parallel.tensor_model_parallel_size=2",
-        "checkpoint.save_interval=6", "cluster.max_failures=1", "output.sample_log=true")))
+        "checkpoint.save_interval=6", "cluster.max_failures=1", "output.sample_log=true",
+        # the disk checkpoint's resume: a snapshot of iteration 6 (if the kill came after it)
+        # would be chosen first (the memory restores are tested in test_checkpoint)
+        "checkpoint.memory_interval=0")))
     plan = build_plan(cfg)
     assert plan.lr_decay_iters == 12 - 2  # SFT: decay = train - warmup (the reference)
     prepare_output(cfg, plan)
