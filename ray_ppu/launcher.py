@@ -306,7 +306,7 @@ def _starting_point(cfg: RunConfig, plan: Plan):
     """Check the checkpoint settings and log where the run starts; returns ``cfg`` with
     ``checkpoint.load`` made absolute (the controller and the workers run elsewhere), and the
     resume point (None: from scratch)."""
-    checkpoint.check_config(cfg)
+    checkpoint.check_sources(cfg)
     if cfg.checkpoint.load:
         load = str(Path(cfg.checkpoint.load).expanduser().resolve())
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=load))

@@ -134,7 +134,7 @@ def test_stream_start_is_recorded_from_the_resume_point(tmp_path):
 ])
 def test_bad_checkpoint_settings(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
-        checkpoint.check_config(_cfg(tmp_path, override))
+        build_plan(_cfg(tmp_path, override))
 
 
 # ---------------------------------------------------------------------------------------------

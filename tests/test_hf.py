@@ -212,17 +212,17 @@ def test_missing_or_misshapen_tensors_fail_before_any_worker(hf_dirs, tmp_path):
     save_file(tensors, broken / "model.safetensors")
     cfg = load(None, [f"checkpoint.pretrained={broken}"])
     with pytest.raises(ConfigError) as err:
-        checkpoint.check_config(cfg)
+        checkpoint.check_sources(cfg)
     text = str(err.value)
     assert f"checkpoint.pretrained {broken} does not fit the model" in text
     assert "model.layers.3.mlp.up_proj.weight missing" in text
     assert "model.norm.weight in model.safetensors has shape [32], expected [64]" in text
     cfg = load(None, [f"checkpoint.pretrained={hf_dirs['qwen_gqa']}", "checkpoint.load=/x"])
-    with pytest.raises(ConfigError, match="set one"):
-        checkpoint.check_config(cfg)
-    # one KV group cannot be split over TP 2: the plan says so before any worker starts
     from ray_ppu.plan import build_plan
 
+    with pytest.raises(ConfigError, match="set one"):  # a rule of the plan
+        build_plan(cfg)
+    # one KV group cannot be split over TP 2: the plan says so before any worker starts
     cfg = load(None, [f"checkpoint.pretrained={hf_dirs['qwen_one_kv_group']}",
                       "parallel.tensor_model_parallel_size=2", "training.train_iters=1",
                       "data.data_path=[x]"])
@@ -312,7 +312,7 @@ def test_converted_checkpoint_starts_a_finetune_of_the_same_model(launched):
     start = checkpoint.resume_point(cfg)
     assert start.weights_only and start.iteration == 0 and start.meta.tensor_model_parallel_size == 2
     with pytest.raises(ConfigError) as err:
-        checkpoint.check_config(cfg)
+        checkpoint.check_sources(cfg)
     assert "model.num_layers: checkpoint 4, this run 2" in str(err.value)
     assert "model.vocab_size: checkpoint 1000, this run 151936" in str(err.value)
 

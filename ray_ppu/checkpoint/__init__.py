@@ -39,7 +39,7 @@ The modules, one concern each
 * ``layout``: the save root, the ``iter_*`` directories, :class:`Meta`, which checkpoints are
   complete, deleting interrupted and surplus ones (imports no torch).
 * ``resume``: :func:`resume_point`, :func:`record_stream_start`, :func:`origin`,
-  :func:`check_config` (imports no torch either).
+  :func:`check_sources` (imports no torch either).
 * ``rng``: every RNG state a rank draws from, captured and set back.
 * ``optimizer_workarounds``: the Megatron-Core 0.16.1 workarounds.
 * ``saver``: :class:`Saver`, collective saves that are complete everywhere or not at all.
@@ -68,7 +68,7 @@ from ray_ppu.checkpoint.loading import load
 from ray_ppu.checkpoint.resume import (
     STREAM_START_FILE,
     ResumePoint,
-    check_config,
+    check_sources,
     origin,
     record_stream_start,
     resume_point,
@@ -79,7 +79,7 @@ from ray_ppu.errors import CheckpointError  # also imported from here
 
 __all__ = [
     "CheckpointError", "CheckpointSaveError", "FORMAT_VERSION", "META_FILE", "Meta",
-    "OPTIMIZER_FORMAT", "ResumePoint", "STREAM_START_FILE", "Saver", "check_config",
+    "OPTIMIZER_FORMAT", "ResumePoint", "STREAM_START_FILE", "Saver", "check_sources",
     "checkpoint_dirs", "complete_checkpoints", "config_hash", "damage", "latest", "load",
     "origin", "prune", "read_meta", "record_stream_start", "remove_incomplete", "resume_point",
     "run_name", "save_root",

@@ -1,9 +1,10 @@
-"""Where a run starts, decided in one place, and the checks of a run's checkpoint settings.
+"""Where a run starts, decided in one place, and the check of the weights it starts from.
 
 :func:`resume_point` is the one rule (the package docstring says why the file system decides
 and who asks it); :func:`record_stream_start` writes down what a (re)started group chose;
 :func:`origin` carries the Hugging Face source of the weights into later checkpoints;
-:func:`check_config` rejects settings that cannot work before any worker starts.
+:func:`check_sources` checks, before any worker starts, that the weights a run starts from
+(Hugging Face files or a checkpoint) fit its model.
 
 No torch at import: the driver calls all of these before any worker exists.
 """
@@ -72,24 +73,13 @@ def resume_point(cfg: RunConfig) -> Optional[ResumePoint]:
                        weights_only=cfg.checkpoint.finetune or found[1].weights_only)
 
 
-def check_config(cfg: RunConfig) -> None:
-    """Reject checkpoint settings that cannot work, before any worker starts."""
+def check_sources(cfg: RunConfig) -> None:
+    """The weights the run starts from fit its model, before any worker starts: the Hugging
+    Face files of ``checkpoint.pretrained`` (every tensor's name and shape), or the recorded
+    model of ``checkpoint.load``. (The checkpoint fields' own rules are the plan's:
+    :func:`ray_ppu.plan.rules.checkpoint_problems`.)"""
     c = cfg.checkpoint
-    if c.save_interval is not None and c.save_interval < 1:
-        raise ConfigError(f"checkpoint.save_interval={c.save_interval}: expected ≥ 1, or null "
-                          f"to save only at the end")
-    if c.keep_last < 1:
-        raise ConfigError(f"checkpoint.keep_last={c.keep_last}: expected ≥ 1")
-    if c.memory_interval is not None and c.memory_interval < 0:
-        raise ConfigError(f"checkpoint.memory_interval={c.memory_interval}: expected ≥ 1, 0 for "
-                          f"no in-memory snapshots, or null for every iteration within 2 % of "
-                          f"the step")
-    if c.finetune and not c.load:
-        raise ConfigError("checkpoint.finetune=true needs checkpoint.load (the weights to start from)")
     if c.pretrained:
-        if c.load:
-            raise ConfigError(f"checkpoint.pretrained={c.pretrained} and checkpoint.load={c.load}: "
-                              f"set one (the weights a fresh run starts from)")
         from ray_ppu.hf.weights import check_checkpoint
 
         check_checkpoint(c.pretrained, cfg.model)

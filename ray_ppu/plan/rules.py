@@ -23,7 +23,7 @@ def problems(cfg: RunConfig) -> list[str]:
              + _option_problems(cfg, layers_per_chunk(cfg)) + batch_problems(cfg))
     # Megatron's scheduler asserts warmup < decay: worth saying only of an otherwise sound config
     found += schedule_problems(cfg, check_warmup=not found)
-    return found + run_problems(cfg) + _data_problems(cfg)
+    return found + run_problems(cfg) + checkpoint_problems(cfg) + _data_problems(cfg)
 
 
 def dims_or_none(cfg: RunConfig) -> Optional[ParallelDims]:
@@ -128,6 +128,26 @@ def run_problems(cfg: RunConfig) -> list[str]:
                      f"or null for a timeout from the step time")
     if t.min_lr > t.lr:  # Megatron's scheduler asserts max_lr >= min_lr
         found.append(f"min_lr {t.min_lr:g} is above lr {t.lr:g}: the schedule decays to min_lr")
+    return found
+
+
+def checkpoint_problems(cfg: RunConfig) -> list[str]:
+    """Save and snapshot intervals, kept checkpoints, and one source of starting weights."""
+    c = cfg.checkpoint
+    found = []
+    if c.save_interval is not None and c.save_interval < 1:
+        found.append(f"checkpoint.save_interval={c.save_interval}: expected ≥ 1, or null to "
+                     f"save only at the end")
+    if c.keep_last < 1:
+        found.append(f"checkpoint.keep_last={c.keep_last}: expected ≥ 1")
+    if c.memory_interval is not None and c.memory_interval < 0:
+        found.append(f"checkpoint.memory_interval={c.memory_interval}: expected ≥ 1, 0 for no "
+                     f"in-memory snapshots, or null for every iteration within 2 % of the step")
+    if c.finetune and not c.load:
+        found.append("checkpoint.finetune=true needs checkpoint.load (the weights to start from)")
+    if c.pretrained and c.load:
+        found.append(f"checkpoint.pretrained={c.pretrained} and checkpoint.load={c.load}: set "
+                     f"one (the weights a fresh run starts from)")
     return found
 
 
