@@ -24,9 +24,9 @@ sys.path.insert(0, str(REPO))
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.errors import ConfigError, UserError  # noqa: E402
 from ray_ppu.data import idxmap  # noqa: E402
-from ray_ppu.data.order import rank_sample_ids  # noqa: E402
+from ray_ppu.data.sampler import rank_sample_ids  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
-from ray_ppu.run import absolute_paths  # noqa: E402
+from ray_ppu.output import absolute_paths  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.errors import ConfigError, UserError  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
-from ray_ppu.run import absolute_paths, prepare_output  # noqa: E402
+from ray_ppu.output import absolute_paths, prepare_output  # noqa: E402
 
 DEMO_CONFIG = REPO / "entrypoints" / "configs" / "demo.yaml"
 

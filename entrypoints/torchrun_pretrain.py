@@ -24,13 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ray_ppu import checkpoint, devices, worker  # noqa: E402
+from ray_ppu import checkpoint, devices  # noqa: E402
 from ray_ppu.config.loader import load  # noqa: E402
-from ray_ppu.data import idxmap, local  # noqa: E402
+from ray_ppu.data import idxmap, inprocess  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
-from ray_ppu.data.order import valid_steps  # noqa: E402
+from ray_ppu.data.sampler import valid_steps  # noqa: E402
 from ray_ppu.report import write_report  # noqa: E402
-from ray_ppu.run import absolute_paths, prepare_output  # noqa: E402
+from ray_ppu.output import absolute_paths, prepare_output  # noqa: E402
+from ray_ppu.train.rank import train_rank  # noqa: E402
 
 
 def main() -> None:
@@ -81,10 +82,10 @@ def train(cfg, backend) -> dict:
     reads = any(r == rank for r, _ in plan.dims.data_ranks())
     rank_args = (spec, coords["dp"], plan.data_parallel_size, plan.global_batch_size,
                  plan.micro_batch_size)
-    batches = local.microbatches(*rank_args, 0, plan.train_iters) if reads else None
-    valid = (local.microbatches(*rank_args, 0, valid_steps(plan), "valid")
+    batches = inprocess.microbatches(*rank_args, 0, plan.train_iters) if reads else None
+    valid = (inprocess.microbatches(*rank_args, 0, valid_steps(plan), "valid")
              if reads and plan.eval_iters else None)
-    final = worker.run(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid,
+    final = train_rank(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid,
                        resume=_weights_to_load(cfg), startup=startup)
     if rank == 0 and cfg.output.report:
         write_report(cfg.output.dir)

@@ -1,5 +1,5 @@
 """The Grafana board of the gauges workers export (``cluster/grafana/ray_ppu.json``), built
-from :data:`ray_ppu.ray_metrics.GAUGES` so that the two cannot drift apart by hand.
+from :data:`ray_ppu.ray_gauges.GAUGES` so that the two cannot drift apart by hand.
 
 Regenerate the committed board after changing a gauge or a panel::
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from ray_ppu.ray_metrics import GAUGES
+from ray_ppu.ray_gauges import GAUGES
 
 
 class Panel(NamedTuple):
@@ -49,7 +49,7 @@ PANELS: tuple[Panel, ...] = (
 
 TITLE = "ray_ppu training"
 UID = "ray-ppu-training"
-DESCRIPTION = ("Metrics ray_ppu workers export with ray.util.metrics (ray_ppu/ray_metrics.py), "
+DESCRIPTION = ("Metrics ray_ppu workers export with ray.util.metrics (ray_ppu/ray_gauges.py), "
                "tagged by run and rank")
 # Panels are half the board wide (Grafana's grid is 24 columns) and 8 rows high.
 _WIDTH, _HEIGHT = 12, 8

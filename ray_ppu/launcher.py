@@ -2,7 +2,7 @@
 Train TorchTrainer.
 
 Workers run :func:`ray_ppu.ray_worker.train_worker`, which adapts Ray Train to the Ray-free
-:func:`ray_ppu.worker.run`. What the driver does before the group starts overlaps where it
+:func:`ray_ppu.train.rank.train_rank`. What the driver does before the group starts overlaps where it
 can: the preflight tasks, the index build (a thread here) and the readers' process start run
 at once, and the
 readers read the first iterations while the workers import and build the model. Each phase's
@@ -32,7 +32,7 @@ from ray_ppu import checkpoint, devices, job_stop, preflight, ray_worker, snapsh
 from ray_ppu.errors import ClusterError, ConfigError
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
-from ray_ppu.data.order import valid_start, valid_steps
+from ray_ppu.data.sampler import valid_start, valid_steps
 from ray_ppu.plan import Plan
 from ray_ppu.train_controller import FailureRecorder
 

@@ -1,5 +1,5 @@
 """One Ray Train worker: Ray Train's ``train_loop_per_worker``, adapting Ray to the Ray-free
-:func:`ray_ppu.worker.run`: dataset shards, the PPU id Ray assigned, checkpoint reports, stop
+:func:`ray_ppu.train.rank.train_rank`: dataset shards, the PPU id Ray assigned, checkpoint reports, stop
 and drain notices, and spare workers of an elastic group. Runs in the worker processes; the
 driver side is :mod:`ray_ppu.launcher`.
 """
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from ray_ppu import checkpoint, devices, recovery, snapshot, snapshot_keeper, watchdog
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import reader_pool
-from ray_ppu.data.order import valid_start, valid_steps
+from ray_ppu.data.sampler import valid_start, valid_steps
 from ray_ppu.plan import Plan, plan_for_world
-from ray_ppu.ray_metrics import RayMetrics
+from ray_ppu.ray_gauges import RayMetrics
 from ray_ppu.util.net import free_port
 
 log = logging.getLogger("ray_ppu")
@@ -84,7 +84,7 @@ def _quiet_worker_logs() -> None:
 
 
 def train_worker(payload: dict) -> dict:
-    """Ray Train's train_loop_per_worker: adapt Ray to :func:`ray_ppu.worker.run`.
+    """Ray Train's train_loop_per_worker: adapt Ray to :func:`ray_ppu.train.rank.train_rank`.
 
     1. The group's plan: an elastic group can be any size (spares past the last usable
        replica leave the process group and only join checkpoint reports).
@@ -94,7 +94,7 @@ def train_worker(payload: dict) -> dict:
     4. Train; tell the spares when done.
     """
     group_started = time.time()
-    from ray_ppu import worker
+    from ray_ppu.train.rank import train_rank
 
     _quiet_worker_logs()
     cfg: RunConfig = payload["cfg"]
@@ -151,7 +151,7 @@ def train_worker(payload: dict) -> dict:
                               ray.get_runtime_context().get_node_id())
               if cfg.cluster.hang_timeout_s != 0 else None)
     try:
-        final = worker.run(cfg, plan, backend, device_id, batches, valid_batches,
+        final = train_rank(cfg, plan, backend, device_id, batches, valid_batches,
                            start_iteration, resume, on_checkpoint=_report_checkpoint,
                            failures=recovery.failures(root, token), interruption=interruption,
                            on_metrics=exported, startup=phases, snapshots=snapshots,
@@ -257,7 +257,7 @@ def _streams(readers: dict, cfg: RunConfig, plan: Plan, rank: int, start_iterati
 
 
 class _Interruptions:
-    """``worker.run``'s ``interruption``: asked after every iteration on every training rank.
+    """``train_rank``'s ``interruption``: asked after every iteration on every training rank.
 
     "stop" when the driver has asked the run to stop (its stop file, looked at by rank 0);
     "save" when Ray Train reports that a node of the run is being drained (asked as often as

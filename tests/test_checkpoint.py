@@ -38,9 +38,9 @@ import pytest
 from ray_ppu import checkpoint
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.launcher import launch
-from ray_ppu.metrics import read_sample_log
+from ray_ppu.metrics_log import read_sample_log
 from ray_ppu.plan import build_plan
-from ray_ppu.run import absolute_paths, prepare_output
+from ray_ppu.output import absolute_paths, prepare_output
 
 ITERS = 8
 SAVE = ["checkpoint.save_interval=4"]
@@ -550,10 +550,10 @@ def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float
     import torch.distributed as dist
 
     from ray_ppu import devices, parallel
-    from ray_ppu.data import idxmap, local
+    from ray_ppu.data import idxmap, inprocess
     from ray_ppu.model import build_model
     from ray_ppu.optim import build_optimizer
-    from ray_ppu.train_loop import evaluate, make_schedule
+    from ray_ppu.train.schedule import evaluate, make_schedule
 
     cfg = absolute_paths(load(None, overrides))
     plan = dataclasses.replace(build_plan(cfg), eval_iters=1)  # one global batch
@@ -568,7 +568,7 @@ def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float
             meta = checkpoint.read_meta(path)
             checkpoint.load(checkpoint.ResumePoint(path, meta), model, optimizer, scheduler, plan,
                             cfg)
-            batches = local.microbatches(spec, 0, 1, plan.global_batch_size,
+            batches = inprocess.microbatches(spec, 0, 1, plan.global_batch_size,
                                          plan.micro_batch_size, 0, 1, "train")
             try:
                 result = evaluate(plan, model, make_schedule(plan, model, torch.device("cpu")),

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ray_ppu.data import idxmap
-from ray_ppu.data.order import rank_sample_ids, valid_start
+from ray_ppu.data.sampler import rank_sample_ids, valid_start
 from ray_ppu.util.dist import single_process_group
 
 

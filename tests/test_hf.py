@@ -418,10 +418,10 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
     from transformers import AutoModelForCausalLM
 
     from ray_ppu import checkpoint
-    from ray_ppu.data import idxmap, local
+    from ray_ppu.data import idxmap, inprocess
     from ray_ppu.hf.export import export
     from ray_ppu.plan import build_plan
-    from ray_ppu.run import absolute_paths, prepare_output
+    from ray_ppu.output import absolute_paths, prepare_output
 
     hf = tmp_path / "Qwen2-tiny"
     _hf_model("qwen_gqa", vocab_size=151_936, num_hidden_layers=2,
@@ -446,7 +446,7 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
 
     spec = idxmap.spec_for(cfg, plan)
     idxmap.datasets(spec)
-    batch = list(local.microbatches(spec, 0, 1, plan.global_batch_size, 1, 0, 1))
+    batch = list(inprocess.microbatches(spec, 0, 1, plan.global_batch_size, 1, 0, 1))
 
     def hf_loss(path) -> float:
         model = AutoModelForCausalLM.from_pretrained(path).eval()

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from ray_ppu.config.loader import load
 from ray_ppu.devices.specs import SPECS, peak_tflops, run_peak_tflops
-from ray_ppu.metrics import MetricsWriter, progress_line
+from ray_ppu.metrics_log import MetricsWriter, progress_line
 from ray_ppu.plan import build_plan
-from ray_ppu.ray_metrics import GAUGES
+from ray_ppu.ray_gauges import GAUGES
 
 from conftest import REPO
 
@@ -133,7 +133,8 @@ def test_progress_line_shows_iteration_loss_lr_throughput_flops_mfu_eta():
 
 def test_packed_rows_count_the_real_sample_lengths():
     """Attention FLOPs of packed rows: Σ length² of the samples, not seq_length² per row."""
-    from ray_ppu.train_loop import _flops_per_iteration, _TimedIterator, _Window
+    from ray_ppu.train.loop import _flops_per_iteration, _Window
+    from ray_ppu.train.batch import TimedIterator
 
     cfg = load(None, ["data.dataset=sft", "data.data_path=[x]", "data.tokenizer=x",
                       "data.packing=true", "training.eval_iters=0", "training.train_iters=2",
@@ -141,7 +142,7 @@ def test_packed_rows_count_the_real_sample_lengths():
                       "training.micro_batch_size=1", "training.seq_length=16"])
     plan = build_plan(cfg)
     rows = [{"cu_seqlens": [[0, 4, 16, 16]]}, {"cu_seqlens": [[0, 8, 12, 16]]}]  # one iteration
-    timed = _TimedIterator(iter(rows))
+    timed = TimedIterator(iter(rows))
     list(timed)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -160,7 +161,7 @@ def test_sample_log_counts_the_group_that_trained_an_iteration_last(tmp_path):
     replaces it trains iteration 5 again: only the DP 1 group's ids count (the DP-rank-1 line
     of the lost group has no successor and is stale). A restart at the same size replaces
     every line."""
-    from ray_ppu.metrics import SampleLog, read_sample_log
+    from ray_ppu.metrics_log import SampleLog, read_sample_log
 
     lost = [SampleLog(tmp_path, rank, dp_rank=rank, dp_size=2) for rank in (0, 1)]
     lost[0].write(4, [12, 14])

@@ -3,7 +3,7 @@
 import numpy as np
 import ray
 
-from ray_ppu.data import idxmap, local, reader_pool
+from ray_ppu.data import idxmap, inprocess, reader_pool
 from test_data import spec
 
 
@@ -29,7 +29,7 @@ def test_one_pool_serves_every_rank_and_split_in_megatron_order(ray_cluster, cor
                 stream = reader_pool.RankStream(pool, split, start, stop, dp_rank, dp, gbs, mbs,
                                                 window=2)
                 streamed = list(stream)
-                expected = list(local.microbatches(s, dp_rank, dp, gbs, mbs, start, stop, split))
+                expected = list(inprocess.microbatches(s, dp_rank, dp, gbs, mbs, start, stop, split))
                 assert len(streamed) == len(expected) == (stop - start) * gbs // dp // mbs
                 for got, want in zip(streamed, expected):
                     assert np.array_equal(got["sample_id"], want["sample_id"])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ray_ppu.data import idxmap
-from ray_ppu.data.order import rank_sample_ids
+from ray_ppu.data.sampler import rank_sample_ids
 from ray_ppu.data.sample_reader import IdxmapReader
 from test_data import spec
 

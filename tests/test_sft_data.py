@@ -338,7 +338,7 @@ def test_packing_layout_and_masks(encoder):
     import torch
     from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
-    from ray_ppu.train_loop import packed_attention_mask
+    from ray_ppu.train.batch import packed_attention_mask
 
     records = (ALPACA + CHAT) * 3
     seq = 192

@@ -55,7 +55,7 @@ def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out):
     several per row, padded one per row, and packed but unmasked, microbatches of 2 rows."""
     from ray_ppu.data.sft import sft_rows
     from ray_ppu.model import build_model, packed_format
-    from ray_ppu.train_loop import forward_step
+    from ray_ppu.train.batch import forward_step
 
     records = arithmetic_records(24, seed=3)
     cfg = load(None, sft_overrides(sft_files, tokenizer_dir, out, "data.packing=true",
@@ -132,7 +132,7 @@ def test_thd_packed_rows_give_the_padded_losses_with_transformer_engine(
 def test_thd_boundaries_are_the_block_mask_of_the_flattened_rows():
     """The THD parameters of a microbatch of 2 packed rows (flattened to 1 × 16 tokens) give
     exactly the block-diagonal causal mask each row has on its own, and nothing across rows."""
-    from ray_ppu.train_loop import packed_attention_mask, thd_packed_seq_params
+    from ray_ppu.train.batch import packed_attention_mask, thd_packed_seq_params
 
     s = 8
     # row 0: samples of 3 and 4 tokens + a 1-token padding tail; row 1: one 8-token sample
@@ -158,8 +158,8 @@ def test_packed_sft_at_tp2_learns_and_resumes_exactly_under_ray_train(
     from test_checkpoint import kill_a_worker_after, launch_while
 
     from ray_ppu import checkpoint
-    from ray_ppu.metrics import read_sample_log
-    from ray_ppu.run import absolute_paths, prepare_output
+    from ray_ppu.metrics_log import read_sample_log
+    from ray_ppu.output import absolute_paths, prepare_output
 
     cfg = absolute_paths(load(None, sft_overrides(
         sft_files, qwen2_tokenizer_dir, tmp_path / "run", "data.packing=true",

@@ -17,7 +17,7 @@ from ray_ppu.config.loader import load
 from ray_ppu.errors import ClusterError
 from ray_ppu.launcher import launch
 from ray_ppu.plan import build_plan
-from ray_ppu.run import absolute_paths, prepare_output
+from ray_ppu.output import absolute_paths, prepare_output
 
 from conftest import REPO, SIMULATED_PPUS
 

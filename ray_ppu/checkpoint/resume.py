@@ -19,7 +19,7 @@ from typing import Optional
 
 from ray_ppu.checkpoint.layout import META_FILE, Meta, damage, latest, read_meta, save_root
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.data.order import valid_start
+from ray_ppu.data.sampler import valid_start
 from ray_ppu.errors import CheckpointError, ConfigError
 from ray_ppu.util.fs import atomic_write_text
 

@@ -31,7 +31,7 @@ from ray_ppu.checkpoint.optimizer_workarounds import (
 )
 from ray_ppu.checkpoint.rng import _rng_sharded
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.data.order import consumed_samples
+from ray_ppu.data.sampler import consumed_samples
 from ray_ppu.errors import CheckpointError
 from ray_ppu.util.fs import atomic_write_text
 from ray_ppu.util.wrappers import unwrap

@@ -2,7 +2,7 @@
 
 Each data-reading rank (TP rank 0 of the first and last pipeline stage of each DP replica)
 streams its own microbatches, in exactly Megatron-LM's sampler order
-(:func:`ray_ppu.data.order.rank_sample_ids`), from the reader actors on its own node: it asks
+(:func:`ray_ppu.data.sampler.rank_sample_ids`), from the reader actors on its own node: it asks
 for iteration *i* of its split, a reader turns that into the rank's sample ids and reads them
 (:mod:`ray_ppu.data.sample_reader` for idxmap, :mod:`ray_ppu.data.sft_store` for SFT rows),
 and the arrays come back through the node's shared-memory object store. A :class:`RankStream`
@@ -42,7 +42,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_ppu.data.order import rank_sample_ids
+from ray_ppu.data.sampler import rank_sample_ids
 from ray_ppu.data.sample_reader import expand
 
 log = logging.getLogger("ray_ppu")

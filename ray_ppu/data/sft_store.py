@@ -4,7 +4,7 @@ Fine-tuning corpora are raw JSON shards (:mod:`ray_ppu.data.sft`): Ray Data read
 tokenizes and packs them in parallel, in input order. :func:`prepare` streams those rows into
 one flat file per column under the cache directory (never all in memory), then writes
 ``meta.json`` last; every reader memory-maps the files. Training then reads row ids exactly as
-it reads idxmap samples (:mod:`ray_ppu.data.order`): iteration *i* consumes global rows
+it reads idxmap samples (:mod:`ray_ppu.data.sampler`): iteration *i* consumes global rows
 ``[i × gbs, (i+1) × gbs)``, cycling through the rows epoch after epoch (the reference's
 "cyclic" loader), so the order is DP-independent and a resumed run continues at the next row.
 """

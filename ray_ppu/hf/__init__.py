@@ -8,7 +8,7 @@ Data flow, one module per arrow::
     HF directory           -> convert.py  a weights-only torch_dist checkpoint
     torch_dist checkpoint  -> export.py   one layer at a time, into HF safetensors shards
 
-Training loads through ``checkpoint.pretrained`` (``ray_ppu.worker``); generation through
+Training loads through ``checkpoint.pretrained`` (``ray_ppu.train.rank``); generation through
 ``ray_ppu.inference``; users through ``entrypoints/convert_checkpoint.py`` and ``generate.py``.
 
 The Megatron side is always the *layout-independent* form that ``dist_checkpointing`` stores

@@ -1,7 +1,7 @@
 """A run's report: one self-contained HTML page drawn from its output directory.
 
 :func:`write_report` reads ``metrics.jsonl`` (training, validation and event rows, see
-:mod:`ray_ppu.metrics`), ``config.yaml`` and ``plan.json`` (:func:`ray_ppu.run.prepare_output`)
+:mod:`ray_ppu.metrics_log`), ``config.yaml`` and ``plan.json`` (:func:`ray_ppu.output.prepare_output`)
 and writes ``<output dir>/report.html``: a header (progress, final loss, time), SVG charts drawn
 here (loss and validation loss per iteration, throughput and MFU or TFLOP/s per device over time
 with restarts and checkpoints marked, data wait per iteration), the events, the config and the

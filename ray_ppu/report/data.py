@@ -1,7 +1,7 @@
 """What the report page says, read from a run's output directory, and how its numbers read.
 
 :func:`load_run` reads ``metrics.jsonl`` (training, validation and event rows, see
-:mod:`ray_ppu.metrics`), ``config.yaml`` and ``plan.json`` (:func:`ray_ppu.run.prepare_output`);
+:mod:`ray_ppu.metrics_log`), ``config.yaml`` and ``plan.json`` (:func:`ray_ppu.output.prepare_output`);
 :func:`page` turns that into the page's texts and table rows as plain strings, so that the
 template (page.html.j2) only lays them out and escapes them, and charts.py and svg.py only pick
 and draw the charts. Any of the three files may be missing or partial (a live run appends to
@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 
 import yaml
 
-from ray_ppu.metrics import event_line
+from ray_ppu.metrics_log import event_line
 
 class Run(NamedTuple):
     name: str

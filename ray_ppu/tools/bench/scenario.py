@@ -110,7 +110,7 @@ def run_config(corpus: str, out: Path, *extra: str):
     """(cfg, plan) of :func:`recovery_overrides`' run plus ``extra``, its output prepared."""
     from ray_ppu.config.loader import load
     from ray_ppu.plan import build_plan
-    from ray_ppu.run import absolute_paths, prepare_output
+    from ray_ppu.output import absolute_paths, prepare_output
 
     cfg = absolute_paths(load(None, recovery_overrides(corpus, out, *extra)))
     plan = build_plan(cfg)

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from ray_ppu.data import idxmap
-from ray_ppu.data.order import rank_sample_ids
+from ray_ppu.data.sampler import rank_sample_ids
 
 
 def microbatches(spec: idxmap.SampleSpec, dp_rank: int, dp_size: int, global_batch_size: int,

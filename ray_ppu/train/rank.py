@@ -16,14 +16,14 @@ import torch.distributed as dist
 from ray_ppu import checkpoint, devices, parallel, recovery
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices.specs import run_peak_tflops
-from ray_ppu.metrics import MetricsWriter, SampleLog
+from ray_ppu.metrics_log import MetricsWriter, SampleLog
 from ray_ppu.plan import Plan
 from ray_ppu.snapshot import MemoryPoint, Snapshotter, restore
 
 log = logging.getLogger("ray_ppu")
 
 
-def run(
+def train_rank(
     cfg: RunConfig,
     plan: Plan,
     backend: devices.Backend,
@@ -74,7 +74,7 @@ def run(
     """
     from ray_ppu.model import build_model, packed_format
     from ray_ppu.optim import build_optimizer
-    from ray_ppu.train_loop import TrainState, train
+    from ray_ppu.train.loop import TrainState, train
 
     duties = _RankDuties(cfg, plan, backend, batches, start_iteration, resume, failures, startup,
                          on_checkpoint=on_checkpoint, interruption=interruption,
@@ -135,7 +135,7 @@ class _RankDuties:
         self.state = None
 
     def hooks(self):
-        from ray_ppu.train_loop import Hooks
+        from ray_ppu.train.loop import Hooks
 
         return Hooks(on_log=self.on_log, on_iteration=self.on_iteration,
                      on_save=self.on_save if self.cfg.checkpoint.enabled else None)

@@ -1,0 +1,144 @@
+"""One microbatch, from this rank's data stream to Megatron-Core's ``forward_step`` contract.
+
+``forward_step(batches, model)`` returns ``(output, loss_func)``, as in Megatron-Core's simple
+train loop: TP rank 0 of the first and last pipeline stage reads the microbatch and broadcasts
+it to its TP group; packed SFT rows carry their sample boundaries, from which every rank builds
+the block-diagonal mask (local attention) or the THD parameters (Transformer Engine).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.utils import get_attr_wrapped_model
+
+Microbatch = dict  # tokens, labels, loss_mask, position_ids: [micro_batch_size, seq_length]
+_INT_KEYS = ("tokens", "labels", "position_ids")
+
+
+def _as_tensors(batch: dict, device: torch.device) -> dict:
+    # torch.tensor copies (Ray Data hands out read-only arrays from its object store) and
+    # widens the int32 ids to the int64 Megatron's embedding and loss expect.
+    return {k: torch.tensor(v, dtype=torch.float32 if k == "loss_mask" else torch.int64)
+            .to(device, non_blocking=True) for k, v in batch.items() if k != "sample_id"}
+
+
+def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """Block-diagonal causal mask [b, 1, s, s] for rows packing several samples.
+
+    ``cu_seqlens`` [b, K]: sample boundaries per row, padded with its last value (= s). True
+    means masked out (Megatron's convention: ``attention_mask_func`` fills True with -10000):
+    a token sees earlier tokens of its own sample only.
+    """
+    positions = torch.arange(seq_length, device=cu_seqlens.device)
+    # sample index of each position: how many boundaries after the first lie at or before it
+    sample = torch.searchsorted(cu_seqlens[:, 1:].contiguous(),
+                                positions.expand(len(cu_seqlens), -1).contiguous(), right=True)
+    other_sample = sample[:, :, None] != sample[:, None, :]
+    future = torch.ones(seq_length, seq_length, dtype=torch.bool, device=cu_seqlens.device).triu(1)
+    return (other_sample | future)[:, None]
+
+
+def thd_packed_seq_params(cu_seqlens: torch.Tensor, seq_length: int):
+    """Megatron's PackedSeqParams (THD) for a microbatch of packed rows flattened into one.
+
+    ``cu_seqlens`` [b, K]: each row's boundaries, padded with its last value. Row r's
+    boundaries shift by r·s; the repeats are dropped. Transformer Engine's attention then runs
+    causal attention within each sample only, and RoPE restarts at each sample.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    offsets = torch.arange(len(cu_seqlens), device=cu_seqlens.device)[:, None] * seq_length
+    bounds = torch.unique_consecutive((cu_seqlens + offsets).reshape(-1)).to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device,
+              packed: Optional[str] = None) -> dict:
+    """Next microbatch for this model chunk, broadcast from TP rank 0 to its TP group.
+
+    First pipeline stage needs tokens and positions, the last needs labels and the loss mask;
+    chunks in between need nothing (Megatron's get_batch contract). Packed rows also carry
+    their sample boundaries (a few ints broadcast instead of s² mask entries), from which
+    every rank builds the block-diagonal mask (``packed="mask"``), or, for Transformer Engine
+    (``"thd"``), the THD parameters of the microbatch flattened into one row of b·s tokens.
+    """
+    pre = get_attr_wrapped_model(model, "pre_process")
+    post = get_attr_wrapped_model(model, "post_process")
+    if not (pre or post):
+        return {}
+    data = None
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        data = _as_tensors(next(batches), device)
+    ints = tensor_parallel.broadcast_data(list(_INT_KEYS), data, torch.int64)
+    floats = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)
+    batch = {**ints, **floats}
+    if packed:
+        cu = tensor_parallel.broadcast_data(["cu_seqlens"], data, torch.int64)["cu_seqlens"]
+        b, s = batch["tokens"].shape
+        if packed == "thd":
+            batch = {k: v.reshape(1, b * s) for k, v in batch.items()}
+            batch["packed_seq_params"] = thd_packed_seq_params(cu, s)
+        else:
+            batch["attention_mask"] = packed_attention_mask(cu, s)
+    return batch
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked token losses, the token count, and both for logging (Megatron's 3-tuple)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), mask.sum().detach()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(batches, model, device: torch.device, packed: Optional[str] = None):
+    batch = get_batch(batches, model, device, packed)
+    output = model(
+        batch.get("tokens"),
+        batch.get("position_ids"),
+        # None: causal, built by the attention module; packed rows: block-diagonal causal
+        batch.get("attention_mask"),
+        labels=batch.get("labels"),
+        packed_seq_params=batch.get("packed_seq_params"),  # THD packed rows (TE)
+    )
+    return output, partial(loss_func, batch.get("loss_mask"))
+
+
+class TimedIterator:
+    """Wraps a microbatch iterator: adds up the time spent waiting in ``next`` and keeps the
+    sample ids handed out since the last :meth:`take_ids`."""
+
+    def __init__(self, batches: Iterator[Microbatch]) -> None:
+        self.batches, self.waited_s = batches, 0.0
+        self.ids: list = []
+        self.squared_lengths = 0  # packed rows: Σ length² of the samples read (attention FLOPs)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Microbatch:
+        start = time.perf_counter()
+        try:
+            batch = next(self.batches)
+        finally:
+            self.waited_s += time.perf_counter() - start
+        if "sample_id" in batch:
+            self.ids.extend(int(i) for i in batch["sample_id"])
+        if "cu_seqlens" in batch:  # boundaries padded with the last one: zero-length repeats
+            lengths = np.diff(np.asarray(batch["cu_seqlens"], dtype=np.int64), axis=-1)
+            self.squared_lengths += int((lengths ** 2).sum())
+        return batch
+
+    def take_ids(self) -> list:
+        ids, self.ids = self.ids, []
+        return ids
