@@ -84,7 +84,7 @@ def _preflight(cfg) -> dict:
             problem = f"cannot join the cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {err}"
             return {"ok": False, "nodes": [], "problems": [problem]}
     try:
-        return preflight.run(cfg)
+        return preflight.node_reports(cfg)
     finally:
         if joined:
             ray.shutdown()

@@ -14,7 +14,7 @@ One small Ray task per alive node that advertises ``cluster.resource_name``, pin
   provides (:func:`ray_ppu.te_options.needs_transformer_engine`), that this node can
   give them.
 
-:func:`run` returns the per-node report (``--dry-run`` prints it); :func:`check` raises
+:func:`node_reports` returns the per-node report (``--dry-run`` prints it); :func:`check` raises
 ``ClusterError`` listing every problem per node. :func:`check_capacity` asks Ray's view of the
 cluster, before anything is placed, whether it has the PPUs and the CPUs beside them. A node that does not answer within
 ``cluster.placement_timeout_s`` is a problem too: nothing waits forever. The node side imports
@@ -229,7 +229,7 @@ def _node_name(node: dict) -> str:
     return f"{node['NodeManagerAddress']}/{node['NodeID'][:8]}"
 
 
-def run(cfg: RunConfig) -> dict:
+def node_reports(cfg: RunConfig) -> dict:
     """Check every PPU node; ``{"ok", "nodes": [{"node", "problems", cuda / TE / device
     facts}], "problems": [one line per problem, node first]}``. Never waits longer than
     ``cluster.placement_timeout_s``."""
@@ -270,8 +270,8 @@ def run(cfg: RunConfig) -> dict:
 
 
 def check(cfg: RunConfig) -> dict:
-    """:func:`run`, raising ``ClusterError`` with every problem on every node."""
-    result = run(cfg)
+    """:func:`node_reports`, raising ``ClusterError`` with every problem on every node."""
+    result = node_reports(cfg)
     if not result["ok"]:
         bad = [r["node"] for r in result["nodes"] if r["problems"]]
         where = f" on {len(bad)} of {len(result['nodes'])} PPU node(s)" if bad else ""

@@ -1,7 +1,7 @@
 """One training process: device → Megatron parallel state → model → optimizer → loop.
 
 No Ray here: Ray Train (``ray_ppu.launcher``) and plain torchrun (``entrypoints/torchrun_pretrain.py``)
-both call :func:`run` after creating the default process group.
+both call :func:`train_rank` after creating the default process group.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class _RankDuties:
     """This rank's side of the loop's hooks: its rows (metrics.jsonl, TensorBoard and the
     progress line on rank 0; Ray's export on every rank), its saves (started, polled, reported,
     kept), and its per-iteration work (snapshots, watchdog progress, sample log, the restart
-    row, the interruption question). One object, so :func:`run` reads top-down."""
+    row, the interruption question). One object, so :func:`train_rank` reads top-down."""
 
     def __init__(self, cfg: RunConfig, plan: Plan, backend: devices.Backend, batches,
                  start_iteration: int, resume,
