@@ -26,7 +26,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from ray_ppu.util.net import free_port
 from ray_ppu import checkpoint
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.launcher import launch
@@ -501,12 +501,6 @@ def finetuned(resharded, corpus, tmp_path_factory):
     return {"cfg": cfg, "saved": saved, "final": final, "rows": _rows(out)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_finetune_loads_weights_only(uninterrupted, finetuned, corpus, tmp_path):
     train = [r for r in finetuned["rows"] if "lm_loss" in r]
@@ -532,7 +526,7 @@ def test_finetune_loads_weights_only(uninterrupted, finetuned, corpus, tmp_path)
 
 def _measured_loss(path: Path, corpus, out: Path) -> float:
     """A checkpoint's loss on global batch 0, in a separate process (the __main__ below)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, __file__, str(path), *_overrides(corpus, out, "cluster.num_workers=1")],

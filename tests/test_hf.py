@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from ray_ppu.util.net import free_port
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.config.presets import PRESETS
 
@@ -85,12 +85,6 @@ def hf_dirs(tmp_path_factory, qwen2_tokenizer_dir):
     return dirs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launched(hf_dirs, tmp_path_factory):
     """One torchrun launch (2 CPU ranks) of this file: every layout's logits, two conversions."""
@@ -101,7 +95,7 @@ def launched(hf_dirs, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), __file__, str(out / "jobs.json")],
+         "--master-port", str(free_port("127.0.0.1")), __file__, str(out / "jobs.json")],
         capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out

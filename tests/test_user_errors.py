@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from ray_ppu.util.net import free_port
 from ray_ppu.errors import ConfigError
 
 GOOD = [{"instruction": f"Count to {i}.", "output": " ".join(str(n) for n in range(1, i + 2))}
@@ -67,17 +67,11 @@ def one_kv_head_model(tmp_path_factory):
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script: str, *args: str) -> subprocess.Popen:
     """Started, not waited for: the two entry points' runs overlap (suite time)."""
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(_free_port()), str(REPO / "entrypoints" / script), *args],
+         "--master-port", str(free_port("127.0.0.1")), str(REPO / "entrypoints" / script), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
