@@ -2,10 +2,10 @@
 Train TorchTrainer.
 
 Workers run :func:`ray_ppu.ray_worker.train_worker`, which adapts Ray Train to the Ray-free
-:func:`ray_ppu.train.rank.train_rank`. What the driver does before the group starts overlaps where it
-can: the preflight tasks, the index build (a thread here) and the readers' process start run
-at once, and the
-readers read the first iterations while the workers import and build the model. Each phase's
+:func:`ray_ppu.train.rank.train_rank`. What the driver does before the group starts overlaps
+where it can: the preflight tasks, the index build (a thread here) and the readers' process
+start run at once, and the readers read the first iterations while the workers import and
+build the model. Each phase's
 duration reaches rank 0, which logs them once at the first iteration (``start: …``).
 """
 

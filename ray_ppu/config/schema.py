@@ -302,7 +302,8 @@ class ClusterConfig:
     ``ray_ppu.watchdog``). None: max(120 s, 10 × the median step, a validation pass), 30 min
     during a save; 0: off."""
     placement_timeout_s: float = 30.0
-    """How long to wait for the cluster to show enough PPU before failing."""
+    """How long the preflight waits for every PPU node's answer (a node that does not answer in
+    time is a problem); a cluster short of PPUs or CPUs fails at once, without waiting."""
 
 
 @dataclass(frozen=True)
