@@ -240,12 +240,9 @@ def map_optimizer(a: Arguments, m: Migration) -> str:
 def map_attention(a: Arguments, m: Migration) -> None:
     """FL: true → Transformer Engine's flash attention, false → its fused attention."""
     fl, label = a.raw("FL"), a.label("FL")
-    if fl == "true":
-        m.set("training.attention_backend", "flash", label)
-    elif fl == "false":
-        m.set("training.attention_backend", "fused", label)
-    else:
-        m.set("training.attention_backend", "auto", label)
+    backend = {"true": "flash", "false": "fused"}.get(fl, "auto")
+    m.set("training.attention_backend", backend, label)
+    if backend == "auto":
         m.note(f"FL={fl} is neither true nor false: the script sets neither NVTE_FLASH_ATTN nor "
                f"NVTE_FUSED_ATTN and Transformer Engine picks; training.attention_backend=auto")
 
