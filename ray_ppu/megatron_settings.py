@@ -51,7 +51,7 @@ def transformer_settings(cfg: RunConfig, plan, te: bool) -> dict:
         ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels,
+        kv_channels=m.effective_kv_channels,  # explicit: Qwen3's head_dim is not hidden/heads
         hidden_dropout=m.hidden_dropout,
         attention_dropout=m.attention_dropout,
         init_method_std=m.init_method_std,
@@ -60,6 +60,9 @@ def transformer_settings(cfg: RunConfig, plan, te: bool) -> dict:
         gated_linear_unit=True,  # SwiGLU: silu(gate) * up (activation_func set by model.py)
         add_bias_linear=False,
         add_qkv_bias=m.add_qkv_bias,
+        # Qwen3's per-head q / k RMSNorm: model.py's layer specs build the norms, and
+        # finalize_model_grads sums their gradients over TP (each rank normed its own heads)
+        qk_layernorm=m.qk_layernorm,
         **_precision(precision),
         pipeline_dtype=PARAMS_DTYPE[precision],
         apply_query_key_layer_scaling=qk_scaling,

@@ -77,8 +77,8 @@ def layer_activation_bytes(cfg: RunConfig, plan, te: bool) -> dict[str, float]:
     e = _element_bytes(cfg)
     s = plan.seq_length / plan.context_parallel_size
     b, h, f, t = plan.micro_batch_size, m.hidden_size, m.ffn_hidden_size, plan.tensor_model_parallel_size
-    q = m.kv_channels * m.num_attention_heads
-    k = m.kv_channels * m.num_query_groups
+    q = m.effective_kv_channels * m.num_attention_heads
+    k = m.effective_kv_channels * m.num_query_groups
     heads = m.num_attention_heads / t
     norm_div = t if plan.sequence_parallel else 1
     per_token = s * b / t * e  # bytes of one TP-split activation column, per microbatch

@@ -49,10 +49,15 @@ class RMSNorm(torch.nn.Module):
 
 def local_block_spec(config: TransformerConfig, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
     """Megatron-Core's local GPT layer spec (plain torch attention and MLP) with
-    :class:`RMSNorm` for both layer norms and the final norm, for this stage's layers."""
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm")
+    :class:`RMSNorm` for both layer norms, the final norm and (``qk_layernorm``, Qwen3) the
+    per-head query / key norms, for this stage's layers."""
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
+    if config.qk_layernorm:
+        attention = layer.submodules.self_attention.submodules
+        attention.q_layernorm = RMSNorm
+        attention.k_layernorm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
                                       layer_norm=RMSNorm)
 
@@ -70,8 +75,8 @@ def _transformer_engine_layers(cfg: RunConfig, backend: Backend) -> bool:
 
 
 def transformer_config(cfg: RunConfig, plan: Plan, backend: Backend) -> TransformerConfig:
-    """Megatron-Core TransformerConfig for the Qwen2.5 / LLaMA architecture of ``cfg.model``
-    with the run's precision, recompute, offload and parallel settings
+    """Megatron-Core TransformerConfig for the Qwen2.5 / Qwen3 / LLaMA architecture of
+    ``cfg.model`` with the run's precision, recompute, offload and parallel settings
     (``ray_ppu.megatron_settings``, also what ``--dry-run`` prints)."""
     settings = transformer_settings(cfg, plan, _transformer_engine_layers(cfg, backend))
     for key in ("params_dtype", "pipeline_dtype"):
@@ -132,7 +137,7 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     else:
         layer_spec = None  # per chunk: local_block_spec
 

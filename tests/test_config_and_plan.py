@@ -202,10 +202,11 @@ def test_parallel_dims_rank_order_matches_megatron_default():
     assert len(readers) == 8 and all(dims.coordinates(r)["tp"] == 0 for r, _ in readers)
 
 
-def _megatron_lm_flops(B, s, L, h, heads, groups, ffn, vocab):
+def _megatron_lm_flops(B, s, L, h, heads, groups, ffn, vocab, kv_channels=None):
     """Megatron-LM training.py num_floating_point_operations, dense, GQA, SwiGLU, written out
-    in that function's own terms (expansion factor, attention and MLP terms)."""
-    kv_channels = h // heads
+    in that function's own terms (expansion factor, attention and MLP terms); kv_channels is
+    Megatron-LM's --kv-channels (default hidden / heads)."""
+    kv_channels = kv_channels or h // heads
     query_projection_size = kv_channels * heads
     query_projection_to_hidden_size_ratio = query_projection_size / h
     gated_linear_multiplier = 3 / 2
@@ -220,7 +221,9 @@ def _megatron_lm_flops(B, s, L, h, heads, groups, ffn, vocab):
     )
 
 
-@pytest.mark.parametrize("preset,layout", [("7B", (1, 1)), ("72B", (8, 4)), ("tiny", (2, 1))])
+# qwen3-0.6B and qwen3-32B: head_dim 128 is not hidden / heads, Megatron-LM's --kv-channels 128
+@pytest.mark.parametrize("preset,layout", [("7B", (1, 1)), ("72B", (8, 4)), ("tiny", (2, 1)),
+                                           ("qwen3-0.6B", (1, 1)), ("qwen3-32B", (8, 2))])
 def test_flops_per_iteration_equal_megatron_lm(preset, layout):
     tp, pp = layout
     cfg = load(None, [*BASE, f"model.preset={preset}", f"cluster.num_workers={tp * pp}",
@@ -230,9 +233,54 @@ def test_flops_per_iteration_equal_megatron_lm(preset, layout):
     plan = build_plan(cfg)
     m = cfg.model
     expected = _megatron_lm_flops(256, 4096, m.num_layers, m.hidden_size, m.num_attention_heads,
-                                  m.num_query_groups, m.ffn_hidden_size, plan.padded_vocab_size)
+                                  m.num_query_groups, m.ffn_hidden_size, plan.padded_vocab_size,
+                                  kv_channels=m.kv_channels)
     assert flops_per_iteration(cfg, plan.padded_vocab_size) == pytest.approx(expected, rel=1e-12)
     assert plan.flops_per_iteration == pytest.approx(expected, rel=1e-12)
+
+
+def test_explicit_kv_channels_sets_the_head_width_apart_from_the_hidden_size():
+    tiny = ["model.hidden_size=90", "model.num_attention_heads=4", "model.num_query_groups=2"]
+    assert "hidden_size 90 is not divisible by num_attention_heads 4" in problems_of(*BASE, *tiny)
+    plan = plan_of(*BASE, *tiny, "model.kv_channels=32")
+    assert plan.kv_channels == 32
+    # q [128, 90], k and v [64, 90] each, QKV bias (the default), o_proj [90, 128], SwiGLU
+    # (3 × 90 × 176), two norms of 90; 2 layers, the tied embedding and the final norm
+    layer = 90 * (128 + 2 * 64) + (128 + 2 * 64) + 128 * 90 + 3 * 90 * 176 + 2 * 90
+    assert plan.num_parameters == 2 * layer + plan.padded_vocab_size * 90 + 90
+    qk_norms = plan_of(*BASE, *tiny, "model.kv_channels=32", "model.qk_layernorm=true")
+    assert qk_norms.num_parameters == plan.num_parameters + 2 * 2 * 32  # q / k norm per layer
+
+
+@pytest.mark.parametrize("kv_channels", [0, 31, -2])
+def test_kv_channels_must_be_positive_and_even(kv_channels):
+    msg = problems_of(*BASE, f"model.kv_channels={kv_channels}")
+    assert (f"kv_channels {kv_channels} must be a positive even number (RoPE rotates each "
+            f"head's channels in pairs)") in msg
+
+
+def test_qwen3_transformer_config_has_its_head_width_and_qk_norms():
+    """What --dry-run prints and the workers build TransformerConfig from: kv_channels always
+    given (Megatron-Core would derive 1024 / 16 = 64 for Qwen3-0.6B), qk_layernorm for Qwen3
+    only; the parameter count holds the q / k norms, replicated on each TP rank."""
+    from ray_ppu.megatron_settings import describe
+
+    cfg = load(None, [*BASE, "model.preset=qwen3-0.6B", "cluster.num_workers=2",
+                      "parallel.tensor_model_parallel_size=2", "training.global_batch_size=2"])
+    plan = build_plan(cfg)
+    settings = describe(cfg, plan, te=False)["TransformerConfig"]
+    assert (settings["kv_channels"], settings["qk_layernorm"], settings["add_qkv_bias"]) == \
+        (128, True, False)
+    qwen2 = load(None, [*BASE, "model.preset=0.5B"])
+    settings = describe(qwen2, build_plan(qwen2), te=False)["TransformerConfig"]
+    assert (settings["kv_channels"], settings["qk_layernorm"]) == (64, False)
+    # 28 layers: q [2048, 1024], k, v [1024, 1024], o_proj [1024, 2048], SwiGLU 3 × 1024 × 3072
+    # split over TP; norms 2 × 1024 + q / k norms 2 × 128 on both ranks; the embedding (padded
+    # to 152064 rows at TP 2) split, the final norm whole
+    split = 1024 * (2048 + 2 * 1024) + 2048 * 1024 + 3 * 1024 * 3072
+    assert plan.padded_vocab_size == 152_064
+    per_device = 28 * (split // 2 + 2 * 1024 + 2 * 128) + 152_064 * 1024 // 2 + 1024
+    assert plan.num_parameters_per_device == per_device
 
 
 def _cli(*args):

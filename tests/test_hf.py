@@ -1,13 +1,16 @@
-"""Hugging Face checkpoints in and out: transformers' own Qwen2 / LLaMA models are the reference.
+"""Hugging Face checkpoints in and out: transformers' own Qwen2 / Qwen3 / LLaMA models are the
+reference.
 
 Small random models are built offline from config objects (no hub) and saved with
 ``save_pretrained``: a Qwen2 with GQA (2 KV groups), QKV bias and tied embeddings in several
 shards; a Qwen2 with one KV group in one file; a LLaMA-3.1 with llama3 RoPE scaling and an
-untied output layer. Their vocabulary (1000) is not a multiple of 128, so Megatron pads it.
-Norms and biases are drawn at random too: a mapping that mixed them up would show.
+untied output layer; a Qwen3 with q / k norms, tied embeddings and head_dim 32, not hidden /
+heads = 16 (so kv_channels is what sizes the projections). Their vocabulary (1000) is not a
+multiple of 128, so Megatron pads it. Norms and biases are drawn at random too: a mapping that
+mixed them up would show.
 
 One torchrun launch of two CPU ranks (this file's ``__main__``) loads every model at every
-layout and writes the logits, and converts two of them to torch_dist at TP 2; the tests compare
+layout and writes the logits, and converts three of them to torch_dist at TP 2; the tests compare
 with transformers' logits, export the conversions back, decode with ``generate.py``, and
 fine-tune from a Hugging Face directory under Ray Train.
 """
@@ -39,15 +42,22 @@ LAYOUTS = {
     "qwen_gqa": [(1, 1, None), (2, 1, None), (1, 2, None), (1, 2, 1)],
     "qwen_one_kv_group": [(1, 1, None), (1, 2, None)],  # one KV group cannot be split over TP
     "llama": [(1, 1, None), (2, 1, None), (1, 2, None)],
+    "qwen3": [(1, 1, None), (2, 1, None), (1, 2, None)],
 }
-CONVERTED = ("qwen_gqa", "llama")  # converted to torch_dist at TP 2 in the same launch
+CONVERTED = ("qwen_gqa", "llama", "qwen3")  # converted to torch_dist at TP 2 in the same launch
 
 
 def _hf_model(kind: str, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
 
     torch.manual_seed(0)
-    if kind == "llama":
+    if kind == "qwen3":
+        config = Qwen3Config(**{**SMALL, "num_key_value_heads": 2, "head_dim": 32,
+                                "tie_word_embeddings": True, "rope_theta": 1e6,
+                                "max_position_embeddings": 4096, **overrides})
+        model = Qwen3ForCausalLM(config)
+    elif kind == "llama":
         config = LlamaConfig(**{**SMALL, "num_key_value_heads": 2, "tie_word_embeddings": False,
                                 "rope_theta": 500_000.0, "rope_scaling": LLAMA3_SCALING,
                                 "max_position_embeddings": 16384, **overrides})
@@ -68,7 +78,7 @@ def _hf_model(kind: str, **overrides):
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory, qwen2_tokenizer_dir):
-    """{name: directory} of the three models, with transformers' logits of PROMPT saved."""
+    """{name: directory} of the four models, with transformers' logits of PROMPT saved."""
     root = tmp_path_factory.mktemp("hf")
     dirs = {}
     for kind in LAYOUTS:
@@ -87,7 +97,8 @@ def hf_dirs(tmp_path_factory, qwen2_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def launched(hf_dirs, tmp_path_factory):
-    """One torchrun launch (2 CPU ranks) of this file: every layout's logits, two conversions."""
+    """One torchrun launch (2 CPU ranks) of this file: every layout's logits, three
+    conversions."""
     out = tmp_path_factory.mktemp("layouts")
     jobs = {"out": str(out), "models": {k: str(v) for k, v in hf_dirs.items()},
             "layouts": LAYOUTS, "convert": list(CONVERTED)}
@@ -127,6 +138,20 @@ PUBLISHED = {
                     "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
                     "attention_bias": False, "mlp_bias": False, "head_dim": 128,
                     "rope_scaling": {**LLAMA3_SCALING, "rope_type": "llama3"}},
+    # Qwen/Qwen3-0.6B config.json
+    "qwen3-0.6B": {"model_type": "qwen3", "hidden_act": "silu", "hidden_size": 1024,
+                   "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                   "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
+                   "rms_norm_eps": 1e-06, "tie_word_embeddings": True, "attention_bias": False,
+                   "use_sliding_window": False, "sliding_window": None, "max_window_layers": 28},
+    # Qwen/Qwen3-32B config.json
+    "qwen3-32B": {"model_type": "qwen3", "hidden_act": "silu", "hidden_size": 5120,
+                  "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+                  "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                  "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
+                  "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "attention_bias": False,
+                  "use_sliding_window": False, "sliding_window": None, "max_window_layers": 64},
 }
 
 
@@ -140,6 +165,68 @@ def test_published_config_json_is_the_preset(preset):
     assert mismatches(PRESETS[preset], derived.with_(max_position_embeddings=32768)) == []
     # and back: the exported config.json describes the same model
     assert mismatches(PRESETS[preset], model_from_hf(to_hf(PRESETS[preset], "bfloat16"))) == []
+
+
+def test_qwen3_config_json_gives_head_dim_qk_norms_and_no_bias(hf_dirs):
+    from ray_ppu.hf.config import mismatches, model_from_hf, read
+
+    model = model_from_hf(read(hf_dirs["qwen3"]))  # transformers 5 wrote it
+    assert (model.kv_channels, model.effective_kv_channels, model.hidden_size) == (32, 32, 64)
+    assert model.qk_layernorm and not model.add_qkv_bias
+    assert not model.untie_embeddings_and_output_weights
+    # transformers' Qwen3Config has head_dim 128 when config.json leaves it out, not hidden/heads
+    published = PUBLISHED["qwen3-0.6B"]
+    unsized = model_from_hf({k: v for k, v in published.items() if k != "head_dim"})
+    assert unsized.kv_channels == 128
+    # the Qwen2 / LLaMA derivation stays: a head_dim of hidden / heads is no field of its own
+    assert model_from_hf(PUBLISHED["llama3.1-8B"]).kv_channels is None
+    # every difference from the checkpoint is named with its config.json key
+    wrong = mismatches(PRESETS["qwen3-0.6B"], model_from_hf({**published, "head_dim": 64}))
+    assert wrong == ["model.kv_channels=128 but head_dim gives 64"]
+    wrong = mismatches(PRESETS["0.5B"].with_(add_qkv_bias=False),
+                       model_from_hf({**PUBLISHED["0.5B"], "model_type": "qwen3",
+                                      "head_dim": 64}))
+    assert wrong == ["model.qk_layernorm=False but model_type (qwen3: q_norm / k_norm) gives True"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias=True (only False is supported)"),
+    ({"use_sliding_window": True}, "use_sliding_window=True (only False is supported)"),
+    ({"mlp_bias": True}, "mlp_bias=True (only False is supported)"),
+])
+def test_unsupported_qwen3_config_json_is_named(change, message):
+    from ray_ppu.hf.config import model_from_hf
+
+    with pytest.raises(ConfigError) as err:
+        model_from_hf({**PUBLISHED["qwen3-0.6B"], **change}, "/m/config.json")
+    assert str(err.value).startswith("/m/config.json: ") and message in str(err.value)
+
+
+def test_fresh_qwen3_config_json_is_what_transformers_loads(hf_dirs, tmp_path):
+    """The config.json an export writes for a Qwen3 model trained without a Hugging Face
+    origin (no source config.json to copy): transformers builds the same Qwen3ForCausalLM from
+    it, whose logits on the same weights are the reference's. A model with both QKV bias and
+    q / k norms has no Hugging Face architecture and is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_ppu.hf.config import CONFIG_FILE, model_from_hf, read, to_hf
+
+    model = model_from_hf(read(hf_dirs["qwen3"]))
+    config = to_hf(model, "float32")
+    assert (config["architectures"], config["model_type"], config["head_dim"]) == \
+        (["Qwen3ForCausalLM"], "qwen3", 32)
+    assert config["attention_bias"] is False and config["tie_word_embeddings"] is True
+    fresh = tmp_path / "fresh"
+    shutil.copytree(hf_dirs["qwen3"], fresh)
+    (fresh / CONFIG_FILE).write_text(json.dumps(config))
+    loaded = AutoModelForCausalLM.from_pretrained(fresh).eval()
+    assert type(loaded).__name__ == "Qwen3ForCausalLM"
+    with torch.no_grad():
+        logits = loaded(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(logits, torch.load(hf_dirs["qwen3"] / "reference_logits.pt"),
+                               rtol=0, atol=1e-6)
+    with pytest.raises(ConfigError, match="qk_layernorm and add_qkv_bias has no Hugging Face"):
+        to_hf(model.with_(add_qkv_bias=True), "float32")
 
 
 def test_transformers5_spelling_is_read(hf_dirs):
@@ -345,7 +432,7 @@ def _transformer_engine_device() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _transformer_engine_device(),
                     reason="needs a CUDA/PPU device with Transformer Engine")
-@pytest.mark.parametrize("kind", ["qwen_gqa", "llama"])
+@pytest.mark.parametrize("kind", ["qwen_gqa", "llama", "qwen3"])
 def test_transformer_engine_layers_load_the_same_weights(hf_dirs, tmp_path, kind):
     """On a device the model is built with Transformer Engine's fused layers (norms inside
     LayerNormLinear): the same mapping fills them; fp32 logits match transformers'."""

@@ -153,7 +153,7 @@ def test_packed_rows_count_the_real_sample_lengths():
     dense = plan.flops_per_iteration - plan.attention_flops_coefficient * 2 * 16 ** 2
     assert flops == pytest.approx(dense + plan.attention_flops_coefficient * squares)
     m = cfg.model
-    assert plan.attention_flops_coefficient == 6 * m.num_layers * m.kv_channels * m.num_attention_heads
+    assert plan.attention_flops_coefficient == 6 * m.num_layers * m.effective_kv_channels * m.num_attention_heads
 
 
 def test_sample_log_counts_the_group_that_trained_an_iteration_last(tmp_path):

@@ -282,7 +282,7 @@ def megatron_weight_and_optimizer_bytes(m, tp, pp, dp, vocab, distributed) -> fl
     written from its published formula: 18 bytes per parameter, 6 + 12/DP with the
     distributed optimizer; transformer parameters 2·L·h²·(attention + MLP + norms)."""
     h, L = m.hidden_size, m.num_layers
-    attention = (1 + m.num_query_groups / m.num_attention_heads) * (m.kv_channels * m.num_attention_heads / h)
+    attention = (1 + m.num_query_groups / m.num_attention_heads) * (m.effective_kv_channels * m.num_attention_heads / h)
     layers = 2 * L * h * h * (attention + m.ffn_hidden_size / h * 1.5 + 2 / h + 1 / (L * h))
     embedding = h * vocab
     shard = (layers / pp + embedding) / tp

@@ -20,13 +20,29 @@ PUBLISHED = {
     "llama3.1-70B": (80, 8192, 28672, 64, 8, 128256, 131072, 500_000, 1e-5, False),
 }
 
+# Qwen3 dense, from Qwen/Qwen3-<size> config.json: (num_hidden_layers, hidden_size,
+#  intermediate_size, num_attention_heads, num_key_value_heads, head_dim, vocab_size,
+#  max_position_embeddings, rope_theta, rms_norm_eps, tie_word_embeddings); every one has
+#  attention_bias false and q_norm / k_norm in its weights
+PUBLISHED_QWEN3 = {
+    "qwen3-0.6B": (28, 1024, 3072, 16, 8, 128, 151936, 40960, 1_000_000, 1e-6, True),
+    "qwen3-1.7B": (28, 2048, 6144, 16, 8, 128, 151936, 40960, 1_000_000, 1e-6, True),
+    "qwen3-4B": (36, 2560, 9728, 32, 8, 128, 151936, 40960, 1_000_000, 1e-6, True),
+    "qwen3-8B": (36, 4096, 12288, 32, 8, 128, 151936, 40960, 1_000_000, 1e-6, False),
+    "qwen3-14B": (40, 5120, 17408, 40, 8, 128, 151936, 40960, 1_000_000, 1e-6, False),
+    "qwen3-32B": (64, 5120, 25600, 64, 8, 128, 151936, 40960, 1_000_000, 1e-6, False),
+}
+
 # Parameter counts published on the model cards (billions), as a cross-check of the layout.
 PUBLISHED_PARAMS_B = {"0.5B": 0.49, "1.5B": 1.54, "3B": 3.09, "7B": 7.61, "14B": 14.7,
-                      "32B": 32.5, "72B": 72.7, "llama3.1-8B": 8.03, "llama3.1-70B": 70.6}
+                      "32B": 32.5, "72B": 72.7, "llama3.1-8B": 8.03, "llama3.1-70B": 70.6,
+                      "qwen3-0.6B": 0.6, "qwen3-1.7B": 1.7, "qwen3-4B": 4.0, "qwen3-8B": 8.2,
+                      "qwen3-14B": 14.8, "qwen3-32B": 32.8}
 
 
 def test_every_published_preset_is_covered():
-    assert set(PRESETS) - {"tiny"} == set(PUBLISHED)
+    assert set(PRESETS) - {"tiny"} == set(PUBLISHED) | set(PUBLISHED_QWEN3)
+    assert set(PUBLISHED_PARAMS_B) == set(PUBLISHED) | set(PUBLISHED_QWEN3)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -44,7 +60,29 @@ def test_preset_matches_config_json(name):
     assert m.preset == name
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(PUBLISHED_QWEN3))
+def test_qwen3_preset_matches_config_json(name):
+    m = PRESETS[name]
+    layers, hidden, ffn, heads, kv, head_dim, vocab, max_pos, theta, eps, tied = PUBLISHED_QWEN3[name]
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (layers, hidden, ffn)
+    assert (m.num_attention_heads, m.num_query_groups) == (heads, kv)
+    assert m.kv_channels == m.effective_kv_channels == head_dim
+    assert (m.vocab_size, m.max_position_embeddings) == (vocab, max_pos)
+    assert m.rotary_base == theta and m.norm_epsilon == eps
+    assert m.untie_embeddings_and_output_weights == (not tied)
+    assert m.qk_layernorm and not m.add_qkv_bias and not m.rope_scaling
+    assert m.preset == name
+
+
+def test_qwen3_head_width_is_not_always_hidden_over_heads():
+    # what kv_channels is for: 0.6B, 4B and 32B project to more query channels than their
+    # hidden size (heads × 128 > hidden); in 1.7B, 8B and 14B the two happen to agree
+    apart = {name for name in PUBLISHED_QWEN3
+             if PRESETS[name].hidden_size // PRESETS[name].num_attention_heads != 128}
+    assert apart == {"qwen3-0.6B", "qwen3-4B", "qwen3-32B"}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS_B))
 def test_preset_parameter_count_matches_model_card(name):
     plan = build_plan(load(None, [f"model.preset={name}", "training.train_iters=1",
                                   "cluster.num_workers=1", "training.global_batch_size=1",

@@ -5,7 +5,10 @@ Megatron-Core's (``TransformerConfig`` / ``GPTModel``). HF → Megatron mapping:
 num_hidden_layers → num_layers, intermediate_size → ffn_hidden_size,
 num_key_value_heads → num_query_groups, rope_theta → rotary_base, rms_norm_eps → norm_epsilon,
 tie_word_embeddings → not untie_embeddings_and_output_weights. Qwen2 adds a bias to Q, K and V
-only (add_qkv_bias); LLaMA-3.1 uses no bias and "llama3" RoPE scaling with factor 8.
+only (add_qkv_bias); LLaMA-3.1 uses no bias and "llama3" RoPE scaling with factor 8. Qwen3
+drops the bias, norms each query and key head (q_norm / k_norm → qk_layernorm) and gives the
+head width explicitly (head_dim → kv_channels: 128 at every size, not hidden / heads for
+0.6B, 4B and 32B).
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ from ray_ppu.config.schema import ModelConfig
 def _qwen2_5(**arch) -> ModelConfig:
     # Shared by every Qwen2.5 dense checkpoint: SwiGLU, RMSNorm, RoPE base 1e6, QKV bias.
     return ModelConfig(rotary_base=1_000_000, norm_epsilon=1e-6, add_qkv_bias=True, **arch)
+
+
+def _qwen3(**arch) -> ModelConfig:
+    # Shared by every Qwen3 dense checkpoint: head_dim 128, q / k norms, no bias, RoPE base 1e6,
+    # the Qwen2 vocabulary, 40960 positions.
+    return ModelConfig(rotary_base=1_000_000, norm_epsilon=1e-6, add_qkv_bias=False,
+                       qk_layernorm=True, kv_channels=128, vocab_size=151_936,
+                       max_position_embeddings=40_960, **arch)
 
 
 def _llama3_1(**arch) -> ModelConfig:
@@ -65,6 +76,30 @@ _PRESETS: dict[str, ModelConfig] = {
                     num_attention_heads=64, num_query_groups=8, vocab_size=152_064,
                     max_position_embeddings=131_072, untie_embeddings_and_output_weights=True)
     .with_(norm_epsilon=1e-5),
+    # Qwen/Qwen3-0.6B config.json
+    "qwen3-0.6B": _qwen3(num_layers=28, hidden_size=1024, ffn_hidden_size=3072,
+                         num_attention_heads=16, num_query_groups=8,
+                         untie_embeddings_and_output_weights=False),
+    # Qwen/Qwen3-1.7B config.json
+    "qwen3-1.7B": _qwen3(num_layers=28, hidden_size=2048, ffn_hidden_size=6144,
+                         num_attention_heads=16, num_query_groups=8,
+                         untie_embeddings_and_output_weights=False),
+    # Qwen/Qwen3-4B config.json
+    "qwen3-4B": _qwen3(num_layers=36, hidden_size=2560, ffn_hidden_size=9728,
+                       num_attention_heads=32, num_query_groups=8,
+                       untie_embeddings_and_output_weights=False),
+    # Qwen/Qwen3-8B config.json
+    "qwen3-8B": _qwen3(num_layers=36, hidden_size=4096, ffn_hidden_size=12288,
+                       num_attention_heads=32, num_query_groups=8,
+                       untie_embeddings_and_output_weights=True),
+    # Qwen/Qwen3-14B config.json
+    "qwen3-14B": _qwen3(num_layers=40, hidden_size=5120, ffn_hidden_size=17408,
+                        num_attention_heads=40, num_query_groups=8,
+                        untie_embeddings_and_output_weights=True),
+    # Qwen/Qwen3-32B config.json
+    "qwen3-32B": _qwen3(num_layers=64, hidden_size=5120, ffn_hidden_size=25600,
+                        num_attention_heads=64, num_query_groups=8,
+                        untie_embeddings_and_output_weights=True),
     # meta-llama/Llama-3.1-8B config.json
     "llama3.1-8B": _llama3_1(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
                              num_attention_heads=32, num_query_groups=8),

@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only GPT (Qwen2.5 / LLaMA-3.1 family)."""
+    """Architecture of a decoder-only GPT (Qwen2.5 / Qwen3 dense / LLaMA-3.1 family)."""
 
     preset: Optional[str] = None
     """Preset (ray_ppu.config.presets) the other fields started from; explicit keys override it."""
@@ -29,6 +29,10 @@ class ModelConfig:
     """Query heads (HF: num_attention_heads)."""
     num_query_groups: int = 2
     """Key/value heads for grouped-query attention (HF: num_key_value_heads)."""
+    kv_channels: Optional[int] = None
+    """Width of each query, key and value head (HF: head_dim); None = hidden_size /
+    num_attention_heads (Qwen2.5, LLaMA-3.1). Qwen3 sets 128 at every size, which is not
+    hidden / heads for 0.6B, 4B and 32B."""
     vocab_size: int = 151_936
     """Embedding rows of the published checkpoint, before padding for tensor parallelism."""
     max_position_embeddings: int = 32_768
@@ -42,7 +46,10 @@ class ModelConfig:
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon (HF: rms_norm_eps)."""
     add_qkv_bias: bool = True
-    """Bias on the Q, K and V projections only (Qwen2: true; LLaMA: false)."""
+    """Bias on the Q, K and V projections only (Qwen2: true; LLaMA, Qwen3: false)."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head before RoPE, one weight of kv_channels shared by
+    the heads (HF: Qwen3's q_norm / k_norm)."""
     untie_embeddings_and_output_weights: bool = False
     """Separate output layer instead of reusing the input embedding (HF: not tie_word_embeddings)."""
     init_method_std: float = 0.008
@@ -58,8 +65,11 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     @property
-    def kv_channels(self) -> int:
-        """Per-head width: hidden_size / num_attention_heads."""
+    def effective_kv_channels(self) -> int:
+        """Per-head width the model is built with: kv_channels, else hidden_size /
+        num_attention_heads (what Megatron-Core derives when it is not given)."""
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:

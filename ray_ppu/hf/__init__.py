@@ -1,4 +1,5 @@
-"""Hugging Face interop: Qwen2 / LLaMA checkpoints in, Hugging Face checkpoints out.
+"""Hugging Face interop: Qwen2 / Qwen3 (dense) / LLaMA checkpoints in, Hugging Face
+checkpoints out.
 
 Data flow, one module per arrow::
 

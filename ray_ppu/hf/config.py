@@ -1,10 +1,15 @@
-"""A Hugging Face ``config.json`` (Qwen2 / LLaMA) as a ModelConfig, and back.
+"""A Hugging Face ``config.json`` (Qwen2 / Qwen3 / LLaMA) as a ModelConfig, and back.
 
 Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (transformers 4,
 what the published Qwen2.5 and LLaMA-3.1 files use) and ``rope_parameters`` (transformers 5).
 What Megatron-Core's GPTModel cannot express (sliding-window attention, an output-projection or
 MLP bias, another activation, RoPE types other than default and llama3 with Megatron's fixed
 llama3 constants) is an error naming the field, never a silently different model.
+
+Qwen3 (dense) is LLaMA's layout plus a per-head RMSNorm of queries and keys (``qk_layernorm``)
+and an explicit ``head_dim`` (``kv_channels``; transformers defaults it to 128 for Qwen3, not
+to hidden / heads as for Qwen2 and LLaMA). Its ``attention_bias`` would also put a bias on
+o_proj, which GPTModel's ``add_qkv_bias`` does not have: only false is accepted.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from ray_ppu.errors import ConfigError
 from ray_ppu.config.schema import ModelConfig
 
 CONFIG_FILE = "config.json"
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "llama": "LlamaForCausalLM"}
+# transformers' Qwen3Config head_dim when config.json leaves it out (not hidden / heads)
+QWEN3_HEAD_DIM = 128
 
 # ModelConfig fields a config may set freely on top of a Hugging Face model: training choices,
 # and max_position_embeddings, which shapes no weight (only RoPE tables) and differs between
@@ -33,6 +41,7 @@ HF_NAMES = {
     "ffn_hidden_size": "intermediate_size",
     "num_attention_heads": "num_attention_heads",
     "num_query_groups": "num_key_value_heads",
+    "kv_channels": "head_dim",
     "vocab_size": "vocab_size",
     "max_position_embeddings": "max_position_embeddings",
     "rotary_base": "rope_theta",
@@ -40,6 +49,7 @@ HF_NAMES = {
     "rope_scaling_factor": "rope_scaling.factor",
     "norm_epsilon": "rms_norm_eps",
     "add_qkv_bias": "attention_bias (qwen2: always)",
+    "qk_layernorm": "model_type (qwen3: q_norm / k_norm)",
     "untie_embeddings_and_output_weights": "tie_word_embeddings (negated)",
 }
 
@@ -77,11 +87,13 @@ def _rope(hf: dict, where: str) -> tuple[float, Optional[dict]]:
 
 
 def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
-    """The ModelConfig of a Qwen2 / LLaMA ``config.json`` (``where`` names it in errors)."""
+    """The ModelConfig of a Qwen2 / Qwen3 / LLaMA ``config.json`` (``where`` names it in
+    errors)."""
     model_type = hf.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"{where}: model_type={model_type!r} is not supported (expected one of "
-                          f"{', '.join(map(repr, ARCHITECTURES))}: Qwen2 / Qwen2.5, LLaMA-3.x)")
+                          f"{', '.join(map(repr, ARCHITECTURES))}: Qwen2 / Qwen2.5, Qwen3, "
+                          f"LLaMA-3.x)")
     absent = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                           "num_attention_heads", "vocab_size", "max_position_embeddings",
                           "rms_norm_eps") if k not in hf]
@@ -96,17 +108,17 @@ def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
 
     require("hidden_act", "silu", "silu")
     require("mlp_bias", False, False)
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         require("use_sliding_window", False, False)
+    if model_type == "qwen2":
         qkv_bias = True  # Qwen2 always has Q/K/V biases and no output-projection bias
     else:
-        require("attention_bias", False, False)  # LLaMA's flag also adds an o_proj bias
+        # LLaMA's and Qwen3's flag also adds an o_proj bias
+        require("attention_bias", False, False)
         qkv_bias = False
     heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if head_dim * heads != hf["hidden_size"]:
-        problems.append(f"head_dim={head_dim} × num_attention_heads={heads} != hidden_size="
-                        f"{hf['hidden_size']} (Megatron derives kv_channels as hidden/heads)")
+    derived = hf["hidden_size"] // heads
+    head_dim = hf.get("head_dim") or (QWEN3_HEAD_DIM if model_type == "qwen3" else derived)
     theta, scaling = _rope(hf, where)
     factor = 8.0
     if scaling is not None:
@@ -130,6 +142,9 @@ def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
         ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
+        # explicit where config.json's head width is its own (Qwen3: always); else derived
+        kv_channels=(head_dim if model_type == "qwen3" or head_dim * heads != hf["hidden_size"]
+                     else None),
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf["max_position_embeddings"],
         rotary_base=int(theta),
@@ -137,13 +152,15 @@ def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
         rope_scaling_factor=factor,
         norm_epsilon=float(hf["rms_norm_eps"]),
         add_qkv_bias=qkv_bias,
+        qk_layernorm=model_type == "qwen3",
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
     )
 
 
 def mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
     """Architecture fields on which ``ours`` differs from ``theirs`` (from config.json), one
-    'model.x=… but config.json key=…' line each; rope_scaling_factor only with rope_scaling."""
+    'model.x=… but config.json key=…' line each; rope_scaling_factor only with rope_scaling;
+    kv_channels by the width it gives (None and hidden / heads are the same model)."""
     lines = []
     for f in dataclasses.fields(ModelConfig):
         if f.name in TRAINING_FIELDS:
@@ -151,6 +168,8 @@ def mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
         if f.name == "rope_scaling_factor" and not (ours.rope_scaling or theirs.rope_scaling):
             continue
         a, b = getattr(ours, f.name), getattr(theirs, f.name)
+        if f.name == "kv_channels":
+            a, b = ours.effective_kv_channels, theirs.effective_kv_channels
         if a != b:
             lines.append(f"model.{f.name}={a!r} but {HF_NAMES[f.name]} gives {b!r}")
     return lines
@@ -176,8 +195,9 @@ def require_match(model: ModelConfig, theirs: ModelConfig, directory: str | Path
 
 def to_hf(model: ModelConfig, dtype: str, base: Optional[dict] = None) -> dict:
     """The ``config.json`` of an exported model: ``base`` (the config.json the run started
-    from) when known, with the architecture checked against ``model``; else a fresh Qwen2
-    (with QKV bias) or LLaMA config in the transformers-4 spelling, which both lines read."""
+    from) when known, with the architecture checked against ``model``; else a fresh Qwen3
+    (q / k norms), Qwen2 (QKV bias) or LLaMA config in the transformers-4 spelling, which
+    transformers 4 and 5 both read."""
     if base is not None:
         wrong = mismatches(model, model_from_hf(base, "the source config.json"))
         if wrong:
@@ -188,7 +208,11 @@ def to_hf(model: ModelConfig, dtype: str, base: Optional[dict] = None) -> dict:
             if key in out:
                 out[key] = dtype
         return out
-    model_type = "qwen2" if model.add_qkv_bias else "llama"
+    if model.qk_layernorm and model.add_qkv_bias:
+        raise ConfigError("a model with qk_layernorm and add_qkv_bias has no Hugging Face "
+                          "architecture: Qwen3's attention_bias also puts a bias on o_proj")
+    model_type = ("qwen3" if model.qk_layernorm else "qwen2" if model.add_qkv_bias
+                  else "llama")
     out = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -198,7 +222,7 @@ def to_hf(model: ModelConfig, dtype: str, base: Optional[dict] = None) -> dict:
         "intermediate_size": model.ffn_hidden_size,
         "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.num_query_groups,
-        "head_dim": model.kv_channels,
+        "head_dim": model.effective_kv_channels,
         "vocab_size": model.vocab_size,
         "max_position_embeddings": model.max_position_embeddings,
         "rms_norm_eps": model.norm_epsilon,
@@ -210,8 +234,10 @@ def to_hf(model: ModelConfig, dtype: str, base: Optional[dict] = None) -> dict:
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if model_type != "qwen2":
+        out.update(attention_bias=False)
     if model_type == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
+        out.update(mlp_bias=False)
     else:
         out.update(use_sliding_window=False, sliding_window=None)
     return out

@@ -128,8 +128,9 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     expected = weights.layer_keys(model) + weights.global_keys(model)
     missing = [k for k in expected if k not in stored]
     if missing:
+        family = "Qwen3" if model.qk_layernorm else "Qwen2" if model.add_qkv_bias else "LLaMA"
         raise ConfigError(f"{path}: the checkpoint lacks {', '.join(missing)} (not a "
-                          f"{'Qwen2' if model.add_qkv_bias else 'LLaMA'} model of this shape?)")
+                          f"{family} model of this shape?)")
     if stored[weights.QKV][0][0] != model.num_layers:
         raise ConfigError(f"{path}: {stored[weights.QKV][0][0]} layers stored, its model config "
                           f"says {model.num_layers}")

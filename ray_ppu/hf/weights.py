@@ -17,6 +17,9 @@ vocabulary, V' = V padded for TP):
   dropped on export. A tied output layer reads ``embed_tokens``.
 * The two RMSNorm weights are stored under the names Transformer Engine's fused layers give
   them (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), whatever the spec.
+* Qwen3's per-head norms ``self_attn.q_norm`` / ``k_norm`` [d] are Megatron's
+  ``self_attention.q_layernorm`` / ``k_layernorm`` (both specs name them so): one weight shared
+  by every head, so each TP rank holds all of it, as it holds the other norms.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ PROJ = _LAYER + "self_attention.linear_proj.weight"
 FC1_NORM = _LAYER + "mlp.linear_fc1.layer_norm_weight"
 FC1 = _LAYER + "mlp.linear_fc1.weight"
 FC2 = _LAYER + "mlp.linear_fc2.weight"
+Q_NORM = _LAYER + "self_attention.q_layernorm.weight"
+K_NORM = _LAYER + "self_attention.k_layernorm.weight"
 
 
 @dataclass(frozen=True)
@@ -55,8 +60,9 @@ class Piece:
 
 def layer_keys(model: ModelConfig) -> list[str]:
     """The per-layer Megatron keys (stored with a leading layer axis)."""
-    keys = [QKV_NORM, QKV, PROJ, FC1_NORM, FC1, FC2]
-    return keys[:2] + [QKV_BIAS] + keys[2:] if model.add_qkv_bias else keys
+    attention = [QKV_NORM, QKV] + ([QKV_BIAS] if model.add_qkv_bias else [])
+    attention += [Q_NORM, K_NORM] if model.qk_layernorm else []
+    return attention + [PROJ, FC1_NORM, FC1, FC2]
 
 
 def global_keys(model: ModelConfig) -> list[str]:
@@ -66,7 +72,7 @@ def global_keys(model: ModelConfig) -> list[str]:
 
 def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int]) -> list[Piece]:
     """The rows of Megatron tensor ``key`` (of ``layer`` for per-layer keys) as HF pieces."""
-    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.effective_kv_channels
     per_group = model.num_attention_heads // model.num_query_groups
     hf = f"model.layers.{layer}."
     if key in (QKV, QKV_BIAS):
@@ -89,6 +95,8 @@ def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int]
               PROJ: (f"{hf}self_attn.o_proj.weight", h),
               FC1_NORM: (f"{hf}post_attention_layernorm.weight", h),
               FC2: (f"{hf}mlp.down_proj.weight", h),
+              Q_NORM: (f"{hf}self_attn.q_norm.weight", d),
+              K_NORM: (f"{hf}self_attn.k_norm.weight", d),
               FINAL_NORM: ("model.norm.weight", h)}
     if key not in single:
         raise KeyError(f"no Hugging Face counterpart for Megatron tensor {key}")
@@ -98,7 +106,7 @@ def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int]
 
 def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of ``model`` holds, with its shape."""
-    h, f, d = model.hidden_size, model.ffn_hidden_size, model.kv_channels
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.effective_kv_channels
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
     shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
     if model.untie_embeddings_and_output_weights:
@@ -119,6 +127,9 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
         if model.add_qkv_bias:
             for proj, size in (("q", q), ("k", kv), ("v", kv)):
                 shapes[f"{p}self_attn.{proj}_proj.bias"] = (size,)
+        if model.qk_layernorm:
+            for norm in ("q_norm", "k_norm"):
+                shapes[f"{p}self_attn.{norm}.weight"] = (d,)
     return shapes
 
 

@@ -96,7 +96,7 @@ def build_plan(cfg: RunConfig) -> Plan:
         valid_samples=evaluations * t.eval_iters * t.global_batch_size,
         packed_sequences=cfg.data.dataset == "sft" and cfg.data.packing,
         padded_vocab_size=padded_vocab,
-        kv_channels=m.kv_channels,
+        kv_channels=m.effective_kv_channels,
         num_parameters=total,
         num_parameters_per_device=max(first, last),
         flops_per_iteration=float(flops_per_iteration(cfg, padded_vocab)),

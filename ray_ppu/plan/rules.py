@@ -58,7 +58,8 @@ def layout_problems(cfg: RunConfig) -> list[str]:
 
 
 def model_problems(cfg: RunConfig) -> list[str]:
-    """Heads and KV groups split by TP, layers by PP (× virtual stages when interleaved)."""
+    """Heads and KV groups split by TP, layers by PP (× virtual stages when interleaved); the
+    head width derived from the hidden size or given (kv_channels)."""
     m, p = cfg.model, cfg.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
     found = []
@@ -69,9 +70,14 @@ def model_problems(cfg: RunConfig) -> list[str]:
     if m.num_attention_heads % m.num_query_groups:
         found.append(f"num_attention_heads {m.num_attention_heads} is not divisible by "
                      f"num_query_groups {m.num_query_groups}")
-    if m.hidden_size % m.num_attention_heads:
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        # only where the head width is derived from it: an explicit kv_channels (Qwen3's
+        # head_dim) sets the projections' widths apart from the hidden size
         found.append(f"hidden_size {m.hidden_size} is not divisible by "
                      f"num_attention_heads {m.num_attention_heads}")
+    if m.kv_channels is not None and (m.kv_channels < 2 or m.kv_channels % 2):
+        found.append(f"kv_channels {m.kv_channels} must be a positive even number "
+                     f"(RoPE rotates each head's channels in pairs)")
     if m.num_layers % pp:
         found.append(f"num_layers {m.num_layers} is not divisible by PP {pp}")
     per_vstage = p.num_layers_per_virtual_pipeline_stage
