@@ -578,3 +578,22 @@ if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: g
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     print(json.dumps({"loss": _loss_of_checkpoint_on_first_batch(sys.argv[1], sys.argv[2:])}))
 
+
+
+def test_a_checkpoint_of_another_head_width_or_norm_is_refused(tmp_path):
+    """The recorded model's weight shapes against the run's: Qwen3's q/k norms and its head
+    width (kv_channels None means hidden / heads: compared as widths, not as settings)."""
+    import dataclasses
+
+    from ray_ppu.checkpoint.resume import ResumePoint, _check_model
+
+    cfg = _cfg(tmp_path, "model.kv_channels=32", "model.qk_layernorm=true")
+    meta = checkpoint.Meta(8, 64, 2, 1, 1, 1, 2, 8, "h", checkpoint.OPTIMIZER_FORMAT, 0.0,
+                           model=dataclasses.asdict(cfg.model))
+    _check_model(ResumePoint("iter_0000008", meta), cfg)  # the same model: nothing to say
+    plain = dataclasses.asdict(dataclasses.replace(cfg.model, kv_channels=None,
+                                                   qk_layernorm=False))
+    with pytest.raises(ConfigError) as err:
+        _check_model(ResumePoint("iter_0000008", dataclasses.replace(meta, model=plain)), cfg)
+    assert "model.qk_layernorm: checkpoint False, this run True" in str(err.value)
+    assert f"model.kv_channels: checkpoint {cfg.model.hidden_size // cfg.model.num_attention_heads}, this run 32" in str(err.value)

@@ -95,7 +95,7 @@ def check_sources(cfg: RunConfig) -> None:
 # Fields that shape the weights: a checkpoint of another architecture cannot be loaded.
 _WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                   "num_query_groups", "vocab_size", "add_qkv_bias",
-                  "untie_embeddings_and_output_weights")
+                  "untie_embeddings_and_output_weights", "qk_layernorm")
 
 
 def _check_model(start: ResumePoint, cfg: RunConfig) -> None:
@@ -105,6 +105,12 @@ def _check_model(start: ResumePoint, cfg: RunConfig) -> None:
         return
     wrong = [f"model.{k}: checkpoint {saved[k]!r}, this run {getattr(cfg.model, k)!r}"
              for k in _WEIGHT_FIELDS if k in saved and saved[k] != getattr(cfg.model, k)]
+    # the head width: None means hidden / heads, so compare the widths, not the settings
+    heads = saved.get("num_attention_heads")
+    width = saved.get("kv_channels") or (saved.get("hidden_size", 0) // heads if heads else None)
+    if width and width != cfg.model.effective_kv_channels:
+        wrong.append(f"model.kv_channels: checkpoint {width}, this run "
+                     f"{cfg.model.effective_kv_channels}")
     if wrong:
         raise ConfigError(f"{start.path} holds another model than this run's: "
                           + "; ".join(wrong))

@@ -333,7 +333,7 @@ class CheckpointConfig:
     restarts resume from its own checkpoints."""
     pretrained: Optional[str] = None
     """Hugging Face model directory (config.json + safetensors, one file or shards with an
-    index: Qwen2 / Qwen2.5, LLaMA-3.x) whose weights a fresh run starts from, at any TP / PP /
+    index: Qwen2 / Qwen2.5, Qwen3, LLaMA-3.x) whose weights a fresh run starts from, at any TP / PP /
     virtual PP: each rank reads only the slices it holds. Without a model section the
     architecture is config.json's; with one, it must match (an error names each differing
     field). Iteration, optimizer and data start fresh; once the run has saved, restarts resume
