@@ -511,33 +511,53 @@ def test_finetune_loads_weights_only(uninterrupted, finetuned, corpus, tmp_path)
     assert checkpoint.latest(checkpoint.save_root(finetuned["cfg"]))[1].iteration == 2
     # The first loss is the saved model's loss on global batch 0, measured in a separate
     # process that loads the checkpoint the way a full resume does.
-    saved_model_loss = _measured_loss(finetuned["saved"], corpus, tmp_path / "eval")
+    reference = checkpoint.save_root(uninterrupted["cfg"]) / "iter_0000008"
+    saved_model_loss, reference_loss = _measured_losses([finetuned["saved"], reference], corpus,
+                                                        tmp_path / "eval")
     assert train[0]["lm_loss"] == pytest.approx(saved_model_loss, abs=1e-5)
     # …which is a trained model's loss, far below the ~11.9 of fresh weights: the model after
     # 8 iterations, as the synchronously saved DP 2 reference holds it (the background writer
     # saved the state of its iteration, not a later one).
     assert train[0]["lm_loss"] < uninterrupted["curve"][1] - 1.0
-    reference = checkpoint.save_root(uninterrupted["cfg"]) / "iter_0000008"
-    assert saved_model_loss == pytest.approx(_measured_loss(reference, corpus, tmp_path / "ref"),
-                                             abs=2e-4)
+    assert saved_model_loss == pytest.approx(reference_loss, abs=2e-4)
     saves = [r for r in _rows(finetuned["saved"].parents[2]) if r.get("event") == "checkpoint"]
     assert saves and all(0 < r["save_blocking_s"] <= r["checkpoint_time_s"] for r in saves)
 
 
-def _measured_loss(path: Path, corpus, out: Path) -> float:
-    """A checkpoint's loss on global batch 0, in a separate process (the __main__ below)."""
+def test_a_checkpoint_of_another_head_width_or_norm_is_refused(tmp_path):
+    """The recorded model's weight shapes against the run's: Qwen3's q/k norms and its head
+    width (kv_channels None means hidden / heads: compared as widths, not as settings)."""
+    import dataclasses
+
+    from ray_ppu.checkpoint.resume import ResumePoint, _check_model
+
+    cfg = _cfg(tmp_path, "model.kv_channels=32", "model.qk_layernorm=true")
+    meta = checkpoint.Meta(8, 64, 2, 1, 1, 1, 2, 8, "h", checkpoint.OPTIMIZER_FORMAT, 0.0,
+                           model=dataclasses.asdict(cfg.model))
+    _check_model(ResumePoint("iter_0000008", meta), cfg)  # the same model: nothing to say
+    plain = dataclasses.asdict(dataclasses.replace(cfg.model, kv_channels=None,
+                                                   qk_layernorm=False))
+    with pytest.raises(ConfigError) as err:
+        _check_model(ResumePoint("iter_0000008", dataclasses.replace(meta, model=plain)), cfg)
+    assert "model.qk_layernorm: checkpoint False, this run True" in str(err.value)
+    assert f"model.kv_channels: checkpoint {cfg.model.hidden_size // cfg.model.num_attention_heads}, this run 32" in str(err.value)
+
+
+def _measured_losses(paths: list, corpus, out: Path) -> list[float]:
+    """Each checkpoint's loss on global batch 0, in one separate process (the __main__ below)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
            "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, __file__, str(path), *_overrides(corpus, out, "cluster.num_workers=1")],
+        [sys.executable, __file__, *map(str, paths), "--",
+         *_overrides(corpus, out, "cluster.num_workers=1")],
         capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["loss"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
 
 
-def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float:
-    """One process, gloo world of 1: build the model like a worker, load ``path`` as a full
-    resume would, and evaluate global batch 0 of the training data (forward only)."""
+def _losses_of_checkpoints_on_first_batch(paths: list[str], overrides: list[str]) -> list[float]:
+    """One process, gloo world of 1: build the model like a worker, load each of ``paths`` as a
+    full resume would, and evaluate global batch 0 of the training data (forward only)."""
     import dataclasses
 
     import torch
@@ -559,41 +579,26 @@ def _loss_of_checkpoint_on_first_batch(path: str, overrides: list[str]) -> float
             parallel.initialize(plan, cfg.training.seed)
             model, _ = build_model(cfg, plan, "cpu")
             optimizer, scheduler = build_optimizer(cfg, plan, model)
-            meta = checkpoint.read_meta(path)
-            checkpoint.load(checkpoint.ResumePoint(path, meta), model, optimizer, scheduler, plan,
-                            cfg)
-            batches = inprocess.microbatches(spec, 0, 1, plan.global_batch_size,
-                                         plan.micro_batch_size, 0, 1, "train")
+            losses = []
             try:
-                result = evaluate(plan, model, make_schedule(plan, model, torch.device("cpu")),
-                                  batches, torch.device("cpu"), 0)
+                for path in paths:
+                    meta = checkpoint.read_meta(path)
+                    checkpoint.load(checkpoint.ResumePoint(path, meta), model, optimizer,
+                                    scheduler, plan, cfg)
+                    batches = inprocess.microbatches(spec, 0, 1, plan.global_batch_size,
+                                                     plan.micro_batch_size, 0, 1, "train")
+                    result = evaluate(plan, model, make_schedule(plan, model, torch.device("cpu")),
+                                      batches, torch.device("cpu"), 0)
+                    losses.append(result["valid_lm_loss"])
             finally:
                 parallel.destroy()
     finally:
         dist.destroy_process_group()
-    return result["valid_lm_loss"]
+    return losses
 
 
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
-    print(json.dumps({"loss": _loss_of_checkpoint_on_first_batch(sys.argv[1], sys.argv[2:])}))
-
-
-
-def test_a_checkpoint_of_another_head_width_or_norm_is_refused(tmp_path):
-    """The recorded model's weight shapes against the run's: Qwen3's q/k norms and its head
-    width (kv_channels None means hidden / heads: compared as widths, not as settings)."""
-    import dataclasses
-
-    from ray_ppu.checkpoint.resume import ResumePoint, _check_model
-
-    cfg = _cfg(tmp_path, "model.kv_channels=32", "model.qk_layernorm=true")
-    meta = checkpoint.Meta(8, 64, 2, 1, 1, 1, 2, 8, "h", checkpoint.OPTIMIZER_FORMAT, 0.0,
-                           model=dataclasses.asdict(cfg.model))
-    _check_model(ResumePoint("iter_0000008", meta), cfg)  # the same model: nothing to say
-    plain = dataclasses.asdict(dataclasses.replace(cfg.model, kv_channels=None,
-                                                   qk_layernorm=False))
-    with pytest.raises(ConfigError) as err:
-        _check_model(ResumePoint("iter_0000008", dataclasses.replace(meta, model=plain)), cfg)
-    assert "model.qk_layernorm: checkpoint False, this run True" in str(err.value)
-    assert f"model.kv_channels: checkpoint {cfg.model.hidden_size // cfg.model.num_attention_heads}, this run 32" in str(err.value)
+    split = sys.argv.index("--")
+    print(json.dumps({"losses": _losses_of_checkpoints_on_first_batch(sys.argv[1:split],
+                                                                      sys.argv[split + 1:])}))
