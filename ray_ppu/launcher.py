@@ -45,6 +45,10 @@ UNIT_INSTANCE_RESOURCES = "neuron_cores,TPU,NPU,HPU,RBLN,FURIOSA,TTNPU,MBLT,PPU"
 
 
 _START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+# Ray Train's controller polls its worker group every 2 s by default, so a finished or failed
+# group is noticed up to 2 s late (measured: a 2-iteration launch 33.0 → 30.5 s at 0.2 s). A
+# poll is one small actor call per worker; twice a second costs nothing measurable.
+_HEALTH_CHECK_ENV, _HEALTH_CHECK_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
 _ENV_AT_IMPORT = frozenset(os.environ)
 
 
@@ -159,6 +163,8 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         # it may first try the old size while Ray still counts the lost node).
         if _START_TIMEOUT_ENV not in _ENV_AT_IMPORT:  # the user's own setting wins
             os.environ[_START_TIMEOUT_ENV] = f"{cfg.cluster.group_start_timeout_s:g}"
+        if _HEALTH_CHECK_ENV not in _ENV_AT_IMPORT:
+            os.environ[_HEALTH_CHECK_ENV] = _HEALTH_CHECK_S
         trainer = build_trainer(cfg, plan, backend, reader_info, token=token, phases=phases)
         graceful.training = True
         hangs = (watchdog.Watchdog(checkpoint.save_root(cfg), token, cfg.cluster.hang_timeout_s,
