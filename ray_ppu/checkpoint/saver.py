@@ -144,7 +144,8 @@ class Saver:
             self.queue = AsyncCallsQueue()
         # async call index → (path, iteration, tag, error (None), weights only)
         self.pending: dict[int, tuple] = {}
-        self._writer_queue = _start_writer_results_queue()
+        # a run that never saves (checkpoint.enabled=false) spawns no writer queue
+        self._writer_queue = _start_writer_results_queue() if cfg.checkpoint.enabled else None
 
 
     def save(self, iteration: int, model: list, optimizer, scheduler, tag=None) -> list[tuple]:
