@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ray_ppu import checkpoint
+from ray_ppu.checkpoint.rng import capture_rng, restore_rng
 from ray_ppu.util.wrappers import unwrap
 
 log = logging.getLogger("ray_ppu")
@@ -112,7 +113,7 @@ def capture(iteration: int, model: list, optimizer, scheduler, with_cuda: bool) 
             "model": [_copy(unwrap(chunk).state_dict()) for chunk in model],
             "optimizers": optimizers,
             "scheduler": _copy(scheduler.state_dict()),
-            "rng": checkpoint._rng_state(with_cuda)}
+            "rng": capture_rng(with_cuda)}
 
 
 def serialize(state: dict) -> bytes:
@@ -141,7 +142,7 @@ def restore(point: MemoryPoint, model: list, optimizer, scheduler) -> int:
             opt.grad_scaler.load_state_dict(saved["grad_scaler"])
     scheduler.num_steps = 0  # Megatron's load steps a schedule on by the saved count
     scheduler.load_state_dict(state["scheduler"])
-    checkpoint._set_rng_state(state["rng"])
+    restore_rng(state["rng"])
     return state["iteration"]
 
 

@@ -73,7 +73,6 @@ from ray_ppu.checkpoint.resume import (
     record_stream_start,
     resume_point,
 )
-from ray_ppu.checkpoint.rng import _rng_state, _set_rng_state  # ray_ppu.snapshot uses them
 from ray_ppu.checkpoint.saver import OPTIMIZER_FORMAT, CheckpointSaveError, Saver
 from ray_ppu.errors import CheckpointError  # also imported from here
 

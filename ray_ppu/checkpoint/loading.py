@@ -15,7 +15,7 @@ import torch
 from ray_ppu.checkpoint.layout import META_FILE, _warn_once, config_hash, read_meta
 from ray_ppu.checkpoint.optimizer_workarounds import _restore_adam_steps
 from ray_ppu.checkpoint.resume import ResumePoint, _check_model
-from ray_ppu.checkpoint.rng import _rng_sharded, _set_rng_state
+from ray_ppu.checkpoint.rng import _rng_sharded, restore_rng
 from ray_ppu.checkpoint.saver import _sharded_state
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import CheckpointError
@@ -85,7 +85,7 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
     _restore_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     if "rng_state" in loaded:
-        _set_rng_state(loaded["rng_state"])
+        restore_rng(loaded["rng_state"])
     iteration = int(loaded["iteration"])
     if iteration != meta.iteration or loaded["consumed_samples"] != meta.consumed_samples:
         raise CheckpointError(f"{resume.path}: the checkpoint holds iteration {iteration}, "

@@ -3,7 +3,7 @@
 Python, NumPy, torch (and CUDA's, on PPUs) and Megatron-Core's RNG tracker (the named states
 its tensor-parallel dropout uses): a resumed run draws the same numbers as one that never
 stopped. Checkpoints store them per (PP, TP) rank (:func:`_rng_sharded`); in-memory snapshots
-(``ray_ppu.snapshot``) take :func:`_rng_state` as it is.
+(``ray_ppu.snapshot``) take :func:`capture_rng` as it is.
 
 Megatron-Core is imported inside the functions, not with this module: the driver imports this
 package and must not pay for (or need) Megatron-Core.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 
-def _rng_state(with_cuda: bool) -> dict:
+def capture_rng(with_cuda: bool) -> dict:
     from megatron.core import tensor_parallel
 
     state = {
@@ -31,7 +31,7 @@ def _rng_state(with_cuda: bool) -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def restore_rng(state: dict) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["random"])
@@ -49,7 +49,7 @@ def _rng_sharded(with_cuda: bool):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return ShardedObject(
-        "rng_state", _rng_state(with_cuda),
+        "rng_state", capture_rng(with_cuda),
         (parallel_state.get_pipeline_model_parallel_world_size(),
          parallel_state.get_tensor_model_parallel_world_size()),
         (parallel_state.get_pipeline_model_parallel_rank(),
