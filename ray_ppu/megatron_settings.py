@@ -87,6 +87,8 @@ def transformer_settings(cfg: RunConfig, plan, te: bool) -> dict:
         cpu_offloading_activations=True,
         cpu_offloading_weights=False,
     )
+    if m.is_moe:
+        settings.update(moe_settings(cfg, plan, te))
     if precision == "fp8":
         settings.update(fp8=t.fp8_format, fp8_recipe="delayed",
                         fp8_amax_history_len=t.fp8_amax_history_len,
@@ -97,6 +99,32 @@ def transformer_settings(cfg: RunConfig, plan, te: bool) -> dict:
                         gradient_accumulation_fusion=False, persist_layer_norm=False,
                         cross_entropy_loss_fusion=False)
     return settings
+
+
+def moe_settings(cfg: RunConfig, plan, te: bool) -> dict:
+    """TransformerConfig's mixture-of-experts keywords for Qwen3-MoE routing: softmax over the
+    experts' logits in fp32, top-k, renormalised (HF norm_topk_prob) or not, a per-layer
+    load-balancing loss; the experts laid out by EP × ETP."""
+    m = cfg.model
+    return dict(
+        num_moe_experts=m.num_moe_experts,
+        moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.effective_moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        # renormalised top-k = softmax over the k chosen logits; otherwise softmax over all,
+        # then the top k of it (Megatron-Core's pre-softmax)
+        moe_router_pre_softmax=not m.moe_norm_topk_prob,
+        moe_router_dtype="fp32",  # HF routes in fp32 whatever the model's dtype
+        moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=cfg.parallel.moe_token_dispatcher_type,
+        # TE's grouped GEMM runs every local expert in one kernel; the local spec loops over
+        # them (SequentialMLP). The fused permutation needs TE ≥ 2.1: left off.
+        moe_grouped_gemm=te,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=plan.expert_model_parallel_size,
+        expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
+    )
 
 
 def ddp_settings(cfg: RunConfig) -> dict:

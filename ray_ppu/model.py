@@ -48,12 +48,19 @@ class RMSNorm(torch.nn.Module):
 
 
 def local_block_spec(config: TransformerConfig, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
-    """Megatron-Core's local GPT layer spec (plain torch attention and MLP) with
-    :class:`RMSNorm` for both layer norms, the final norm and (``qk_layernorm``, Qwen3) the
-    per-head query / key norms, for this stage's layers."""
-    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    """Megatron-Core's local GPT layer spec (plain torch attention and MLP, or a MoE layer of
+    :class:`~ray_ppu.moe_layers.LayoutFreeSequentialMLP` experts) with :class:`RMSNorm` for
+    both layer norms, the final norm and (``qk_layernorm``, Qwen3) the per-head query / key
+    norms, for this stage's layers."""
+    layer = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                     normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
+    if config.num_moe_experts:
+        from ray_ppu.moe_layers import LayoutFreeSequentialMLP, LocalTopKRouter
+
+        layer.submodules.mlp.submodules.router = LocalTopKRouter
+        layer.submodules.mlp.submodules.experts.module = LayoutFreeSequentialMLP
     if config.qk_layernorm:
         attention = layer.submodules.self_attention.submodules
         attention.q_layernorm = RMSNorm
@@ -137,7 +144,10 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+        # MoE: TE's grouped GEMM for the experts (one kernel for all local experts)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.num_moe_experts),
+            qk_layernorm=config.qk_layernorm)
     else:
         layer_spec = None  # per chunk: local_block_spec
 

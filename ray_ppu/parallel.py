@@ -15,7 +15,7 @@ from ray_ppu.util.dist import single_process_group
 
 
 def initialize(plan: Plan, seed: int) -> None:
-    """Build TP/PP/CP/DP groups and seed every RNG the Megatron way.
+    """Build TP/PP/CP/DP (and EP / ETP) groups and seed every RNG the Megatron way.
 
     1. Reuse the default process group (Ray Train's TorchConfig or torchrun created it).
     2. ``initialize_model_parallel`` with the plan's sizes; check the world agrees with the plan.
@@ -31,6 +31,8 @@ def initialize(plan: Plan, seed: int) -> None:
         pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=plan.virtual_pipeline_model_parallel_size,
         context_parallel_size=plan.context_parallel_size,
+        expert_model_parallel_size=plan.expert_model_parallel_size,
+        expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
     )
     coords = plan.dims.coordinates(dist.get_rank())
     actual = {

@@ -33,6 +33,20 @@ PUBLISHED_QWEN3 = {
     "qwen3-32B": (64, 5120, 25600, 64, 8, 128, 151936, 40960, 1_000_000, 1e-6, False),
 }
 
+# Qwen3-MoE, from Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json (transformers 4.51):
+#  (num_hidden_layers, hidden_size, intermediate_size, moe_intermediate_size,
+#  num_attention_heads, num_key_value_heads, head_dim, num_experts, num_experts_per_tok,
+#  norm_topk_prob, router_aux_loss_coef, tie_word_embeddings); both have vocab 151936, 40960
+#  positions, rope_theta 1e6, rms_norm_eps 1e-6, decoder_sparse_step 1, mlp_only_layers []
+PUBLISHED_QWEN3_MOE = {
+    "qwen3-30B-A3B": (48, 2048, 6144, 768, 32, 4, 128, 128, 8, True, 0.001, False),
+    "qwen3-235B-A22B": (94, 4096, 12288, 1536, 64, 4, 128, 128, 8, True, 0.001, False),
+}
+# Their exact totals (untied embeddings, q / k norms, routers), as keras-hub's Qwen3-MoE presets
+# list them, and the model cards' active counts (billions): 30.5B / 3.3B, 235B / 22B
+PUBLISHED_MOE_PARAMS = {"qwen3-30B-A3B": (30_532_122_624, 3.3),
+                        "qwen3-235B-A22B": (235_093_634_560, 22.0)}
+
 # Parameter counts published on the model cards (billions), as a cross-check of the layout.
 PUBLISHED_PARAMS_B = {"0.5B": 0.49, "1.5B": 1.54, "3B": 3.09, "7B": 7.61, "14B": 14.7,
                       "32B": 32.5, "72B": 72.7, "llama3.1-8B": 8.03, "llama3.1-70B": 70.6,
@@ -41,7 +55,8 @@ PUBLISHED_PARAMS_B = {"0.5B": 0.49, "1.5B": 1.54, "3B": 3.09, "7B": 7.61, "14B":
 
 
 def test_every_published_preset_is_covered():
-    assert set(PRESETS) - {"tiny"} == set(PUBLISHED) | set(PUBLISHED_QWEN3)
+    assert set(PRESETS) - {"tiny", "tiny-moe"} == (set(PUBLISHED) | set(PUBLISHED_QWEN3)
+                                                   | set(PUBLISHED_QWEN3_MOE))
     assert set(PUBLISHED_PARAMS_B) == set(PUBLISHED) | set(PUBLISHED_QWEN3)
 
 
@@ -72,6 +87,39 @@ def test_qwen3_preset_matches_config_json(name):
     assert m.untie_embeddings_and_output_weights == (not tied)
     assert m.qk_layernorm and not m.add_qkv_bias and not m.rope_scaling
     assert m.preset == name
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_QWEN3_MOE))
+def test_qwen3_moe_preset_matches_config_json(name):
+    m = PRESETS[name]
+    (layers, hidden, ffn, moe_ffn, heads, kv, head_dim, experts, topk, norm_topk, aux,
+     tied) = PUBLISHED_QWEN3_MOE[name]
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (layers, hidden, ffn)
+    assert (m.moe_ffn_hidden_size, m.num_moe_experts, m.moe_router_topk) == (moe_ffn, experts, topk)
+    assert m.moe_norm_topk_prob == norm_topk and m.moe_aux_loss_coeff == aux
+    assert (m.num_attention_heads, m.num_query_groups, m.kv_channels) == (heads, kv, head_dim)
+    assert (m.vocab_size, m.max_position_embeddings, m.rotary_base, m.norm_epsilon) == (
+        151936, 40960, 1_000_000, 1e-6)
+    assert m.untie_embeddings_and_output_weights == (not tied)
+    assert m.qk_layernorm and not m.add_qkv_bias and m.is_moe and m.preset == name
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_MOE_PARAMS))
+def test_moe_preset_total_and_active_parameters(name):
+    plan = build_plan(load(None, [f"model.preset={name}", "training.train_iters=1",
+                                  "cluster.num_workers=1", "training.global_batch_size=1",
+                                  "data.data_path=[x]"]))
+    total, active_b = PUBLISHED_MOE_PARAMS[name]
+    assert plan.num_parameters == total  # 151936 is a multiple of 128: no vocabulary padding
+    assert plan.num_active_parameters / 1e9 == pytest.approx(active_b, rel=0.02)
+
+
+def test_tiny_moe_preset_is_qwen3_moe_shrunk():
+    tiny, big = PRESETS["tiny-moe"], PRESETS["qwen3-30B-A3B"]
+    for field in ("vocab_size", "rotary_base", "norm_epsilon", "add_qkv_bias", "qk_layernorm",
+                  "moe_norm_topk_prob", "moe_aux_loss_coeff"):
+        assert getattr(tiny, field) == getattr(big, field), field
+    assert tiny.num_moe_experts % 2 == 0 and tiny.moe_router_topk < tiny.num_moe_experts
 
 
 def test_qwen3_head_width_is_not_always_hidden_over_heads():

@@ -8,7 +8,10 @@ tie_word_embeddings → not untie_embeddings_and_output_weights. Qwen2 adds a bi
 only (add_qkv_bias); LLaMA-3.1 uses no bias and "llama3" RoPE scaling with factor 8. Qwen3
 drops the bias, norms each query and key head (q_norm / k_norm → qk_layernorm) and gives the
 head width explicitly (head_dim → kv_channels: 128 at every size, not hidden / heads for
-0.6B, 4B and 32B).
+0.6B, 4B and 32B). Qwen3-MoE routes every layer's tokens to experts: num_experts →
+num_moe_experts, num_experts_per_tok → moe_router_topk, moe_intermediate_size →
+moe_ffn_hidden_size, norm_topk_prob → moe_norm_topk_prob, router_aux_loss_coef →
+moe_aux_loss_coeff.
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ def _qwen3(**arch) -> ModelConfig:
     return ModelConfig(rotary_base=1_000_000, norm_epsilon=1e-6, add_qkv_bias=False,
                        qk_layernorm=True, kv_channels=128, vocab_size=151_936,
                        max_position_embeddings=40_960, **arch)
+
+
+def _qwen3_moe(**arch) -> ModelConfig:
+    # Shared by both Qwen3-MoE checkpoints: Qwen3's attention, 128 experts of which each token
+    # uses 8 (renormalised), every layer sparse, load-balancing loss weight 0.001, untied.
+    return _qwen3(num_moe_experts=128, moe_router_topk=8, moe_norm_topk_prob=True,
+                  moe_aux_loss_coeff=0.001, untie_embeddings_and_output_weights=True, **arch)
 
 
 def _llama3_1(**arch) -> ModelConfig:
@@ -100,6 +110,14 @@ _PRESETS: dict[str, ModelConfig] = {
     "qwen3-32B": _qwen3(num_layers=64, hidden_size=5120, ffn_hidden_size=25600,
                         num_attention_heads=64, num_query_groups=8,
                         untie_embeddings_and_output_weights=True),
+    # Qwen/Qwen3-30B-A3B config.json (intermediate_size: the dense MLP no layer has)
+    "qwen3-30B-A3B": _qwen3_moe(num_layers=48, hidden_size=2048, ffn_hidden_size=6144,
+                                moe_ffn_hidden_size=768, num_attention_heads=32,
+                                num_query_groups=4),
+    # Qwen/Qwen3-235B-A22B config.json
+    "qwen3-235B-A22B": _qwen3_moe(num_layers=94, hidden_size=4096, ffn_hidden_size=12288,
+                                  moe_ffn_hidden_size=1536, num_attention_heads=64,
+                                  num_query_groups=4),
     # meta-llama/Llama-3.1-8B config.json
     "llama3.1-8B": _llama3_1(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
                              num_attention_heads=32, num_query_groups=8),
@@ -111,6 +129,14 @@ _PRESETS: dict[str, ModelConfig] = {
     "tiny": _qwen2_5(num_layers=2, hidden_size=64, ffn_hidden_size=176,
                      num_attention_heads=4, num_query_groups=2, vocab_size=151_936,
                      max_position_embeddings=32_768, untie_embeddings_and_output_weights=False),
+    # Not a published checkpoint: Qwen3-MoE's architecture (q / k norms, no bias, every layer
+    # routed, top-2 of 4 renormalised, an aux loss) at the tiny preset's width, for CPU runs of
+    # expert parallelism (EP 2 or 4 divides the 4 experts).
+    "tiny-moe": ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176,
+                            num_attention_heads=4, num_query_groups=2, vocab_size=151_936,
+                            rotary_base=1_000_000, norm_epsilon=1e-6, add_qkv_bias=False,
+                            qk_layernorm=True, num_moe_experts=4, moe_router_topk=2,
+                            moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.001),
 }
 
 PRESETS: dict[str, ModelConfig] = {name: arch.with_(preset=name) for name, arch in _PRESETS.items()}

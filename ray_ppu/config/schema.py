@@ -12,70 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a decoder-only GPT (Qwen2.5 / Qwen3 dense / LLaMA-3.1 family)."""
-
-    preset: Optional[str] = None
-    """Preset (ray_ppu.config.presets) the other fields started from; explicit keys override it."""
-    num_layers: int = 2
-    """Transformer layers (HF: num_hidden_layers)."""
-    hidden_size: int = 64
-    """Width of the residual stream (HF: hidden_size)."""
-    ffn_hidden_size: int = 176
-    """Width of the SwiGLU MLP (HF: intermediate_size)."""
-    num_attention_heads: int = 4
-    """Query heads (HF: num_attention_heads)."""
-    num_query_groups: int = 2
-    """Key/value heads for grouped-query attention (HF: num_key_value_heads)."""
-    kv_channels: Optional[int] = None
-    """Width of each query, key and value head (HF: head_dim); None = hidden_size /
-    num_attention_heads (Qwen2.5, LLaMA-3.1). Qwen3 sets 128 at every size, which is not
-    hidden / heads for 0.6B, 4B and 32B."""
-    vocab_size: int = 151_936
-    """Embedding rows of the published checkpoint, before padding for tensor parallelism."""
-    max_position_embeddings: int = 32_768
-    """Longest sequence the RoPE tables are built for; seq_length may not exceed it."""
-    rotary_base: int = 1_000_000
-    """RoPE base (HF: rope_theta)."""
-    rope_scaling: bool = False
-    """Apply LLaMA-3.1 ("llama3") RoPE frequency scaling."""
-    rope_scaling_factor: float = 8.0
-    """Scaling factor for rope_scaling (LLaMA-3.1: 8)."""
-    norm_epsilon: float = 1e-6
-    """RMSNorm epsilon (HF: rms_norm_eps)."""
-    add_qkv_bias: bool = True
-    """Bias on the Q, K and V projections only (Qwen2: true; LLaMA, Qwen3: false)."""
-    qk_layernorm: bool = False
-    """RMSNorm over each query and key head before RoPE, one weight of kv_channels shared by
-    the heads (HF: Qwen3's q_norm / k_norm)."""
-    untie_embeddings_and_output_weights: bool = False
-    """Separate output layer instead of reusing the input embedding (HF: not tie_word_embeddings)."""
-    init_method_std: float = 0.008
-    """Std of the normal weight initialisation (reference script: 0.008)."""
-    hidden_dropout: float = 0.0
-    """Dropout after attention and MLP (the reference trains with 0)."""
-    attention_dropout: float = 0.0
-    """Dropout on attention probabilities (the reference trains with 0)."""
-    make_vocab_size_divisible_by: int = 128
-    """Pad the vocabulary to a multiple of this × TP, as Megatron does."""
-
-    def with_(self, **changes) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def effective_kv_channels(self) -> int:
-        """Per-head width the model is built with: kv_channels, else hidden_size /
-        num_attention_heads (what Megatron-Core derives when it is not given)."""
-        if self.kv_channels is not None:
-            return self.kv_channels
-        return self.hidden_size // self.num_attention_heads
-
-    def padded_vocab_size(self, tensor_model_parallel_size: int) -> int:
-        """Vocabulary padded so every TP rank holds an equal, aligned slice (Megatron's rule)."""
-        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
-        return -(-self.vocab_size // multiple) * multiple
+from ray_ppu.config.model import ModelConfig  # noqa: F401 (a section of RunConfig)
 
 
 @dataclass(frozen=True)
@@ -90,6 +27,16 @@ class ParallelConfig:
     """CP: the sequence split across this many devices (needs Transformer Engine)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout activations along the sequence inside the TP group (TP > 1 only)."""
+    expert_model_parallel_size: int = 1
+    """EP: a MoE layer's experts split across this many devices, each holding
+    num_moe_experts / EP whole experts; tokens travel to their experts' devices. EP × ETP
+    ranks are carved out of the TP × CP × DP ones (Megatron-Core's expert layout)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """ETP: each expert's matrices split across this many devices; None = TP (Megatron-Core's
+    default). 1 is the usual choice with EP (Pai-Megatron-Patch's Qwen3-MoE examples)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach their experts' EP ranks: all-to-all exchanges of the routed tokens
+    (Megatron-Core's choice for EP > 1), or all-gathering every token (fewer, larger messages)."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Interleaved pipeline: layers per virtual stage (reference MP_VP); None = not interleaved."""
     overlap_grad_reduce: bool = True

@@ -6,8 +6,9 @@ streams, and the CUDA RNG state that its RNG tracker forks. We never edit its fi
 this module answers those requests on the CPU:
 
 * :class:`CudaToCpuMode`, a ``TorchFunctionMode``, rewrites CUDA devices to the CPU in every
-  torch call made on the thread where it is active, makes ``Tensor.cuda()`` a no-op and makes
-  ``Tensor.type()`` answer with the CUDA type name Megatron compares against.
+  torch call made on the thread where it is active, makes ``Tensor.cuda()`` a no-op, makes
+  ``Tensor.type()`` answer with the CUDA type name Megatron compares against, and hands the
+  MoE all-to-all its split sizes as lists (what Megatron's CUDA path makes of them).
 * :func:`install` replaces the ``torch.cuda`` functions Megatron calls (device queries, streams,
   events, synchronisation, RNG) with CPU stand-ins; the "CUDA" RNG *is* the CPU default
   generator, so Megatron's RNG tracker forks the generator CPU ops actually draw from.
@@ -74,6 +75,12 @@ class CudaToCpuMode(TorchFunctionMode):
             args = tuple(a.replace(".cuda.", ".") if isinstance(a, str) else a for a in args)
         elif func is torch.Tensor.to:
             args = tuple(_to_cpu(a) if i > 0 else a for i, a in enumerate(args))
+        elif func is torch.distributed.all_to_all_single:
+            # MoE token dispatch: Megatron copies the split sizes to host numpy arrays only
+            # when they are CUDA tensors; left as CPU tensors, c10d refuses them as sizes
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if torch.is_tensor(kwargs.get(key)):
+                    kwargs[key] = kwargs[key].tolist()
         return func(*args, **kwargs)
 
 

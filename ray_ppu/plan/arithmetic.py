@@ -1,5 +1,5 @@
-"""Counting a model: parameters per pipeline stage and device, and Megatron-LM's FLOPs per
-iteration (what MFU divides by). Config only: ``--dry-run`` prints these on a laptop, and the
+"""Counting a model: parameters per pipeline stage and device (all, and a MoE model's active
+ones), and Megatron-LM's FLOPs per iteration (what MFU divides by). Config only: ``--dry-run`` prints these on a laptop, and the
 memory plan builds on :func:`stage_parameters`."""
 
 from __future__ import annotations
@@ -8,11 +8,13 @@ from ray_ppu.config.schema import RunConfig
 
 
 def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
-    """Megatron-LM's ``num_floating_point_operations`` for a dense GQA model with SwiGLU.
+    """Megatron-LM's ``num_floating_point_operations`` for a GQA model with SwiGLU, dense or MoE.
 
     q and k are the query and key/value projection widths (kv_channels × heads, × groups),
     which Qwen3 sets apart from the hidden size; norms (Qwen3's q / k norms too) count no FLOPs
-    there, as in Megatron-LM.
+    there, as in Megatron-LM. A MoE layer counts the top-k experts each token goes through,
+    as Megatron-LM does, plus the router's h × experts gate, which Megatron-LM leaves out
+    (Qwen3-30B-A3B: 128 of the 8 × 3 × 768 = 18 432 MLP columns a token meets, 0.7 %).
 
     Forward + backward = 3 × forward, 2 FLOPs per multiply-add, hence the 6s. Core attention
     counts QKᵀ and AV, halved for the causal mask: 6·s²·q per layer and sample.
@@ -21,9 +23,22 @@ def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
     h, L, s, B = m.hidden_size, m.num_layers, t.seq_length, t.global_batch_size
     q = m.effective_kv_channels * m.num_attention_heads
     k = m.effective_kv_channels * m.num_query_groups
-    f = m.ffn_hidden_size
-    per_layer = 6 * h * (q + 2 * k) + 6 * q * h + 6 * h * f * 3  # QKV, proj, SwiGLU (3 mats)
+    per_layer = 6 * h * (q + 2 * k) + 6 * q * h + 6 * _mlp_multiplies(m, active=True)
     return B * s * (L * per_layer + 6 * h * padded_vocab_size) + B * s * s * attention_flops_coefficient(cfg)
+
+
+def _mlp_multiplies(m, active: bool) -> int:
+    """Weights of one layer's MLP that a token multiplies with (``active``: only its top-k
+    experts' and the router's) or that the layer holds: SwiGLU's 3 matrices per MLP."""
+    if not m.is_moe:
+        return 3 * m.hidden_size * m.ffn_hidden_size
+    experts = m.moe_router_topk if active else m.num_moe_experts
+    return experts * 3 * m.hidden_size * m.effective_moe_ffn_hidden_size + _router(m)
+
+
+def _router(m) -> int:
+    """The router's gate: one h-wide row per expert (replicated on every rank of its stage)."""
+    return m.num_moe_experts * m.hidden_size if m.is_moe else 0
 
 
 def attention_flops_coefficient(cfg: RunConfig) -> float:
@@ -33,21 +48,43 @@ def attention_flops_coefficient(cfg: RunConfig) -> float:
     return 6.0 * m.num_layers * m.effective_kv_channels * m.num_attention_heads
 
 
-def stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: int) -> tuple[int, int, int]:
-    """Total parameters, and those one device of the first and of the last pipeline stage
-    holds (TP splits the matrices, PP the layers; with PP 1 both are the one stage)."""
-    m = cfg.model
-    h, f = m.hidden_size, m.ffn_hidden_size
+def _layer_counts(m) -> tuple[int, int, int]:
+    """One layer's parameters: (split by TP, split by EP × ETP, on every rank of the stage)."""
+    h = m.hidden_size
     q = m.effective_kv_channels * m.num_attention_heads
     k = m.effective_kv_channels * m.num_query_groups
     qkv_bias = (q + 2 * k) if m.add_qkv_bias else 0
-    layer_split = h * (q + 2 * k) + qkv_bias + q * h + 3 * h * f  # divided by TP
-    # the two RMSNorms, and Qwen3's q / k norms (one kv_channels weight each, on every TP rank)
-    layer_replicated = 2 * h + (2 * m.effective_kv_channels if m.qk_layernorm else 0)
+    attention = h * (q + 2 * k) + qkv_bias + q * h
+    # the two RMSNorms, Qwen3's q / k norms (one kv_channels weight each) and a MoE router
+    replicated = 2 * h + (2 * m.effective_kv_channels if m.qk_layernorm else 0) + _router(m)
+    if m.is_moe:
+        return attention, _mlp_multiplies(m, active=False) - _router(m), replicated
+    return attention + _mlp_multiplies(m, active=False), 0, replicated
+
+
+def active_parameters(cfg: RunConfig, padded_vocab: int) -> int:
+    """Parameters one token's forward pass multiplies with: the total, with each MoE layer's
+    experts counted top-k times instead of num_moe_experts (Qwen3-30B-A3B: 3.3e9 of 30.5e9)."""
+    m = cfg.model
+    total, _, _ = stage_parameters(cfg, 1, 1, padded_vocab)
+    if not m.is_moe:
+        return total
+    idle = m.num_moe_experts - m.moe_router_topk
+    return total - m.num_layers * idle * 3 * m.hidden_size * m.effective_moe_ffn_hidden_size
+
+
+def stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: int, ep: int = 1,
+                     etp: int = 1) -> tuple[int, int, int]:
+    """Total parameters, and those one device of the first and of the last pipeline stage
+    holds (TP splits the matrices, PP the layers, EP × ETP a MoE layer's experts; with PP 1
+    both are the one stage)."""
+    m = cfg.model
+    h = m.hidden_size
+    split, experts, replicated = _layer_counts(m)
     embedding = padded_vocab * h
     output = embedding if m.untie_embeddings_and_output_weights else 0
-    total = m.num_layers * (layer_split + layer_replicated) + embedding + output + h
-    stage = (m.num_layers // pp) * (layer_split // tp + layer_replicated)
+    total = m.num_layers * (split + experts + replicated) + embedding + output + h
+    stage = (m.num_layers // pp) * (split // tp + experts // (ep * etp) + replicated)
     if pp == 1:
         only = stage + embedding // tp + h + output // tp
         return total, only, only

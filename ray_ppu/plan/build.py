@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import ConfigError
 from ray_ppu.plan import derived, rules
-from ray_ppu.plan.arithmetic import attention_flops_coefficient, flops_per_iteration, stage_parameters
+from ray_ppu.plan.arithmetic import (active_parameters, attention_flops_coefficient,
+                                     flops_per_iteration, stage_parameters)
 from ray_ppu.plan.layout import ParallelDims, active_workers
 
 
@@ -21,6 +22,9 @@ class Plan:
     pipeline_model_parallel_size: int
     context_parallel_size: int
     data_parallel_size: int
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: int
+    expert_data_parallel_size: int
     virtual_pipeline_model_parallel_size: int | None
     sequence_parallel: bool
     micro_batch_size: int
@@ -39,6 +43,9 @@ class Plan:
     padded_vocab_size: int
     kv_channels: int
     num_parameters: int
+    # what one token's forward pass multiplies with: a MoE model's routed top-k experts (and
+    # its routers), not all of them; the total for a dense model
+    num_active_parameters: int
     num_parameters_per_device: int
     flops_per_iteration: float
     # core attention FLOPs of one sample = this × its length² (causal, Megatron-LM's count):
@@ -53,6 +60,8 @@ class Plan:
             self.tensor_model_parallel_size,
             self.pipeline_model_parallel_size,
             self.context_parallel_size,
+            self.expert_model_parallel_size,
+            self.expert_tensor_parallel_size,
         )
 
     def to_dict(self) -> dict:
@@ -73,13 +82,16 @@ def build_plan(cfg: RunConfig) -> Plan:
     # fresh validation samples (the validation stream never rewinds).
     evaluations = train_iters // t.eval_interval + 1 if t.eval_interval > 0 else 0
     padded_vocab = m.padded_vocab_size(tp)
-    total, first, last = stage_parameters(cfg, tp, pp, padded_vocab)
+    total, first, last = stage_parameters(cfg, tp, pp, padded_vocab, dims.ep, dims.etp)
     return Plan(
         world_size=dims.world_size,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=dims.cp,
         data_parallel_size=dims.dp,
+        expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
+        expert_data_parallel_size=dims.expert_dp,
         virtual_pipeline_model_parallel_size=derived.virtual_stages(cfg),
         sequence_parallel=p.sequence_parallel,
         micro_batch_size=t.micro_batch_size,
@@ -98,6 +110,7 @@ def build_plan(cfg: RunConfig) -> Plan:
         padded_vocab_size=padded_vocab,
         kv_channels=m.effective_kv_channels,
         num_parameters=total,
+        num_active_parameters=active_parameters(cfg, padded_vocab),
         num_parameters_per_device=max(first, last),
         flops_per_iteration=float(flops_per_iteration(cfg, padded_vocab)),
         attention_flops_coefficient=attention_flops_coefficient(cfg),
@@ -109,13 +122,15 @@ def plan_for_world(cfg: RunConfig, world_size: int) -> Plan:
     ``cluster.num_workers``): the active workers' layout, the same global batch (more
     microbatches per rank), the rest spare."""
     p, t = cfg.parallel, cfg.training
+    ep, etp = derived.expert_sizes(cfg)
     active = active_workers(world_size, p.tensor_model_parallel_size,
                             p.pipeline_model_parallel_size, p.context_parallel_size,
-                            t.global_batch_size, t.micro_batch_size)
+                            t.global_batch_size, t.micro_batch_size, ep * etp)
     if active == 0:
+        experts = f" and stages of whole EP {ep} × ETP {etp} groups" if ep * etp > 1 else ""
         raise ConfigError(f"{world_size} workers hold no model replica of TP × PP × CP = "
                           f"{p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size}"
-                          f" with global batch {t.global_batch_size}")
+                          f" with global batch {t.global_batch_size}{experts}")
     cluster = dataclasses.replace(cfg.cluster, num_workers=active, min_workers=None)
     plan = build_plan(dataclasses.replace(cfg, cluster=cluster))
     return dataclasses.replace(plan, spare_workers=world_size - active)

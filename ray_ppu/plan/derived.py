@@ -19,6 +19,16 @@ def virtual_stages(cfg: RunConfig) -> Optional[int]:
     return m.num_layers // pp // per_vstage
 
 
+def expert_sizes(cfg: RunConfig) -> tuple[int, int]:
+    """(EP, ETP) the experts are laid out with: ETP unset is TP (Megatron-Core's default) for
+    a MoE model; a dense model has no experts, so (1, 1) whatever is set (the rules say so)."""
+    p = cfg.parallel
+    if not cfg.model.is_moe:
+        return 1, 1
+    etp = p.expert_tensor_parallel_size
+    return p.expert_model_parallel_size, p.tensor_model_parallel_size if etp is None else etp
+
+
 def layers_per_chunk(cfg: RunConfig) -> Optional[int]:
     """Transformer layers in one model chunk (a pipeline stage, or a virtual stage)."""
     pp = cfg.parallel.pipeline_model_parallel_size

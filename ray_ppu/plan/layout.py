@@ -1,5 +1,6 @@
-"""The parallel layout: a world of workers cut into TP × CP × DP × PP, and how many of a group
-can train (an elastic group may hold spares). Pure arithmetic, no torch."""
+"""The parallel layout: a world of workers cut into TP × CP × DP × PP (and, for the experts of a
+MoE model, ETP × EP × expert-DP × PP), and how many of a group can train (an elastic group may
+hold spares). Pure arithmetic, no torch."""
 
 from __future__ import annotations
 
@@ -11,15 +12,22 @@ from ray_ppu.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """World size cut into TP × CP × DP × PP, in Megatron's default rank order tp-cp-ep-dp-pp."""
+    """World size cut into TP × CP × DP × PP, in Megatron's default rank order tp-cp-ep-dp-pp.
+
+    The experts of a MoE layer are laid out apart (Megatron-Core's second rank generator): each
+    pipeline stage's TP × CP × DP ranks are cut into ETP × EP × expert-DP, ETP varying fastest.
+    A rank's attention coordinates (what :meth:`coordinates` gives and the data shards follow)
+    do not depend on it."""
 
     world_size: int
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    etp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "cp"):
+        for name in ("world_size", "tp", "pp", "cp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         model_parallel = self.tp * self.pp * self.cp
@@ -28,10 +36,21 @@ class ParallelDims:
                 f"world size {self.world_size} is not divisible by "
                 f"TP {self.tp} × PP {self.pp} × CP {self.cp} = {model_parallel}"
             )
+        if (self.world_size // self.pp) % (self.ep * self.etp):
+            raise ConfigError(
+                f"the {self.world_size // self.pp} ranks of a pipeline stage (world size "
+                f"{self.world_size} / PP {self.pp}) are not divisible by EP {self.ep} × "
+                f"ETP {self.etp} = {self.ep * self.etp}")
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert shard: a stage's ranks / (EP × ETP). Expert gradients are
+        reduced, and their optimizer states sharded, over this group."""
+        return self.world_size // (self.pp * self.ep * self.etp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """(tp, cp, dp, pp) ranks of a global rank; tp varies fastest, pp slowest."""
@@ -54,11 +73,13 @@ class ParallelDims:
 
 
 def active_workers(world_size: int, tp: int, pp: int, cp: int, global_batch_size: int,
-                   micro_batch_size: int) -> int:
+                   micro_batch_size: int, experts_per_stage: int = 1) -> int:
     """How many of ``world_size`` workers can train: the largest multiple of TP × PP × CP whose
-    DP size divides the global batch into micro batches (0: not even one model replica)."""
+    DP size divides the global batch into micro batches and whose stages hold whole EP × ETP
+    expert groups (``experts_per_stage``; 1 for a dense model). 0: not even one replica."""
     model_parallel = tp * pp * cp
     for active in range(world_size - world_size % model_parallel, 0, -model_parallel):
-        if global_batch_size % (micro_batch_size * (active // model_parallel)) == 0:
+        if (global_batch_size % (micro_batch_size * (active // model_parallel)) == 0
+                and (active // pp) % experts_per_stage == 0):
             return active
     return 0

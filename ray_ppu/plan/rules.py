@@ -12,14 +12,15 @@ from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import ConfigError
-from ray_ppu.plan.derived import layers_per_chunk, schedule_iterations, tokens_per_iteration
+from ray_ppu.plan.derived import (expert_sizes, layers_per_chunk, schedule_iterations,
+                                  tokens_per_iteration)
 from ray_ppu.plan.layout import ParallelDims, active_workers
 from ray_ppu.te_options import needs_transformer_engine
 
 
 def problems(cfg: RunConfig) -> list[str]:
     """All of the config's problems, in the order a reader meets the fields."""
-    found = (layout_problems(cfg) + model_problems(cfg)
+    found = (layout_problems(cfg) + model_problems(cfg) + moe_problems(cfg)
              + _option_problems(cfg, layers_per_chunk(cfg)) + batch_problems(cfg))
     # Megatron's scheduler asserts warmup < decay: worth saying only of an otherwise sound config
     found += schedule_problems(cfg, check_warmup=not found)
@@ -31,7 +32,8 @@ def dims_or_none(cfg: RunConfig) -> Optional[ParallelDims]:
     p = cfg.parallel
     try:
         return ParallelDims(cfg.cluster.num_workers, p.tensor_model_parallel_size,
-                            p.pipeline_model_parallel_size, p.context_parallel_size)
+                            p.pipeline_model_parallel_size, p.context_parallel_size,
+                            *expert_sizes(cfg))
     except ConfigError:
         return None
 
@@ -40,20 +42,23 @@ def layout_problems(cfg: RunConfig) -> list[str]:
     """The full group is whole replicas; an elastic minimum holds at least one."""
     p, t, c = cfg.parallel, cfg.training, cfg.cluster
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    ep, etp = expert_sizes(cfg)
     found = []
     try:  # the full group must be whole replicas; an elastic one may have spares (plan_for_world)
-        ParallelDims(c.num_workers, tp, pp, cp)
+        ParallelDims(c.num_workers, tp, pp, cp, ep, etp)
     except ConfigError as err:
         found.append(str(err))
     if c.min_workers is not None:
         if not 1 <= c.min_workers <= c.num_workers:
             found.append(f"cluster.min_workers {c.min_workers} must be between 1 and "
                          f"num_workers {c.num_workers}")
-        elif not active_workers(c.min_workers, tp, pp, cp, t.global_batch_size, t.micro_batch_size):
+        elif not active_workers(c.min_workers, tp, pp, cp, t.global_batch_size,
+                                t.micro_batch_size, ep * etp):
+            experts = f" with stages of whole EP {ep} × ETP {etp} groups" if ep * etp > 1 else ""
             found.append(f"cluster.min_workers {c.min_workers} cannot hold one model replica: "
                          f"TP {tp} × PP {pp} × CP {cp} = {max(1, tp * pp * cp)} workers whose DP "
                          f"size divides global_batch_size {t.global_batch_size} by "
-                         f"micro_batch_size {t.micro_batch_size}")
+                         f"micro_batch_size {t.micro_batch_size}{experts}")
     return found
 
 
@@ -87,6 +92,40 @@ def model_problems(cfg: RunConfig) -> list[str]:
         elif per_vstage < 1 or m.num_layers % (pp * per_vstage):
             found.append(f"num_layers {m.num_layers} is not divisible by PP {pp} × "
                          f"num_layers_per_virtual_pipeline_stage {per_vstage} = {pp * per_vstage}")
+    return found
+
+
+def moe_problems(cfg: RunConfig) -> list[str]:
+    """Experts split whole by EP and their MLPs by ETP; routing Megatron-Core can build; the
+    expert-parallel settings only on a MoE model."""
+    m, p = cfg.model, cfg.parallel
+    if not m.is_moe:
+        set_ = [f"parallel.{k}={getattr(p, k)}" for k, unset in
+                (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", None))
+                if getattr(p, k) != unset]
+        return [f"{', '.join(set_)} needs a MoE model (model.num_moe_experts)"] if set_ else []
+    ep, etp = expert_sizes(cfg)
+    experts, topk, ffn = m.num_moe_experts, m.moe_router_topk, m.effective_moe_ffn_hidden_size
+    found = []
+    if experts < 1:
+        found.append(f"model.num_moe_experts {experts} must be ≥ 1 (null for a dense model)")
+    elif experts % ep:
+        found.append(f"model.num_moe_experts {experts} is not divisible by EP {ep} (each EP "
+                     f"rank holds whole experts)")
+    if not 1 <= topk <= max(experts, 1):
+        found.append(f"model.moe_router_topk {topk} must be between 1 and num_moe_experts "
+                     f"{experts}")
+    elif topk == 1 and m.moe_norm_topk_prob:
+        # Megatron-Core refuses softmax over a single logit (every weight would be 1)
+        found.append("model.moe_router_topk 1 needs model.moe_norm_topk_prob=false (renormalised "
+                     "over one expert, every routing weight would be 1)")
+    if ffn % etp:
+        found.append(f"model.moe_ffn_hidden_size {ffn} is not divisible by ETP {etp}")
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+        found.append(f"a MoE model at TP {p.tensor_model_parallel_size} needs "
+                     f"parallel.sequence_parallel=true (Megatron-Core's MoE layer trains only so)")
+    if m.moe_aux_loss_coeff < 0:
+        found.append(f"model.moe_aux_loss_coeff {m.moe_aux_loss_coeff:g} must be ≥ 0")
     return found
 
 
