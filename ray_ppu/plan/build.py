@@ -68,10 +68,10 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def build_plan(cfg: RunConfig) -> Plan:
+def build_plan(cfg: RunConfig, forward_only: bool = False) -> Plan:
     """Validate the config against itself (:func:`ray_ppu.plan.rules.problems`: ConfigError lists
-    every problem) and derive the plan."""
-    found = rules.problems(cfg)
+    every problem) and derive the plan (``forward_only``: of a model that never trains)."""
+    found = rules.problems(cfg, forward_only)
     if found:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
     m, p, t = cfg.model, cfg.parallel, cfg.training

@@ -18,9 +18,10 @@ from ray_ppu.plan.layout import ParallelDims, active_workers
 from ray_ppu.te_options import needs_transformer_engine
 
 
-def problems(cfg: RunConfig) -> list[str]:
-    """All of the config's problems, in the order a reader meets the fields."""
-    found = (layout_problems(cfg) + model_problems(cfg) + moe_problems(cfg)
+def problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
+    """All of the config's problems, in the order a reader meets the fields (``forward_only``:
+    a model for forward passes, conversion or generation, that never trains)."""
+    found = (layout_problems(cfg) + model_problems(cfg) + moe_problems(cfg, forward_only)
              + _option_problems(cfg, layers_per_chunk(cfg)) + batch_problems(cfg))
     # Megatron's scheduler asserts warmup < decay: worth saying only of an otherwise sound config
     found += schedule_problems(cfg, check_warmup=not found)
@@ -95,9 +96,9 @@ def model_problems(cfg: RunConfig) -> list[str]:
     return found
 
 
-def moe_problems(cfg: RunConfig) -> list[str]:
+def moe_problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     """Experts split whole by EP and their MLPs by ETP; routing Megatron-Core can build; the
-    expert-parallel settings only on a MoE model."""
+    expert-parallel settings only on a MoE model; sequence parallelism where it trains at TP > 1."""
     m, p = cfg.model, cfg.parallel
     if not m.is_moe:
         set_ = [f"parallel.{k}={getattr(p, k)}" for k, unset in
@@ -121,7 +122,7 @@ def moe_problems(cfg: RunConfig) -> list[str]:
                      "over one expert, every routing weight would be 1)")
     if ffn % etp:
         found.append(f"model.moe_ffn_hidden_size {ffn} is not divisible by ETP {etp}")
-    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel:
+    if p.tensor_model_parallel_size > 1 and not p.sequence_parallel and not forward_only:
         found.append(f"a MoE model at TP {p.tensor_model_parallel_size} needs "
                      f"parallel.sequence_parallel=true (Megatron-Core's MoE layer trains only so)")
     if m.moe_aux_loss_coeff < 0:
