@@ -61,6 +61,10 @@ def local_block_spec(config: TransformerConfig, vp_stage: Optional[int]) -> Tran
 
         layer.submodules.mlp.submodules.router = LocalTopKRouter
         layer.submodules.mlp.submodules.experts.module = LayoutFreeSequentialMLP
+        # a MoE layer's pre-MLP norm is its own module (no fc1 to fuse it into): saved under
+        # its own name, as Transformer Engine's MoE layer saves it, so checkpoints of both
+        # specs agree (the local spec would file it under fc1's fused-norm name)
+        layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
     if config.qk_layernorm:
         attention = layer.submodules.self_attention.submodules
         attention.q_layernorm = RMSNorm

@@ -37,22 +37,40 @@ SMALL = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_
              num_attention_heads=4, rms_norm_eps=1e-6)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-# (model, TP, PP, layers per virtual stage): what the torchrun launch runs; DP makes up 2 ranks
+# (model, TP, PP, layers per virtual stage[, EP, ETP]): what the torchrun launch runs; DP makes
+# up 2 ranks. Qwen3-MoE: its experts split by EP 2, and EP 2 with attention at TP 2 (each
+# expert whole: ETP 1); at TP 2 alone its experts are split by ETP 2 (ETP defaults to TP).
 LAYOUTS = {
     "qwen_gqa": [(1, 1, None), (2, 1, None), (1, 2, None), (1, 2, 1)],
     "qwen_one_kv_group": [(1, 1, None), (1, 2, None)],  # one KV group cannot be split over TP
     "llama": [(1, 1, None), (2, 1, None), (1, 2, None)],
     "qwen3": [(1, 1, None), (2, 1, None), (1, 2, None)],
+    "qwen3_moe": [(1, 1, None), (2, 1, None), (1, 2, None), (1, 1, None, 2, 1),
+                  (2, 1, None, 2, 1)],
 }
-CONVERTED = ("qwen_gqa", "llama", "qwen3")  # converted to torch_dist at TP 2 in the same launch
+# converted to torch_dist at TP 2 in the same launch
+CONVERTED = ("qwen_gqa", "llama", "qwen3", "qwen3_moe")
+
+
+def layout_name(kind: str, layout: tuple) -> str:
+    tp, pp, vs, *experts = layout
+    return f"{kind}_tp{tp}_pp{pp}_vs{vs}" + ("_ep{}_etp{}".format(*experts) if experts else "")
 
 
 def _hf_model(kind: str, **overrides):
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM)
+                              Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
-    if kind == "qwen3":
+    if kind == "qwen3_moe":
+        # 4 experts of width 48 (≠ intermediate_size), top 2 renormalised, untied output
+        config = Qwen3MoeConfig(**{**SMALL, "num_key_value_heads": 2, "head_dim": 32,
+                                   "num_experts": 4, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                   "tie_word_embeddings": False, "rope_theta": 1e6,
+                                   "max_position_embeddings": 4096, **overrides})
+        model = Qwen3MoeForCausalLM(config)
+    elif kind == "qwen3":
         config = Qwen3Config(**{**SMALL, "num_key_value_heads": 2, "head_dim": 32,
                                 "tie_word_embeddings": True, "rope_theta": 1e6,
                                 "max_position_embeddings": 4096, **overrides})
@@ -73,6 +91,8 @@ def _hf_model(kind: str, **overrides):
                 param.normal_(1.0, 0.1)
             elif "bias" in name:
                 param.normal_(0.0, 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)  # routing far from ties: a swapped expert would show
     return model.eval()
 
 
@@ -152,6 +172,31 @@ PUBLISHED = {
                   "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
                   "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "attention_bias": False,
                   "use_sliding_window": False, "sliding_window": None, "max_window_layers": 64},
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json (their MoE and architecture keys)
+    "qwen3-30B-A3B": {"model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 2048,
+                      "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_hidden_layers": 48, "num_attention_heads": 32,
+                      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                      "num_experts_per_tok": 8, "norm_topk_prob": True,
+                      "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "output_router_logits": False,
+                      "vocab_size": 151936, "max_position_embeddings": 40960,
+                      "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06,
+                      "tie_word_embeddings": False, "attention_bias": False,
+                      "use_sliding_window": False, "sliding_window": None,
+                      "max_window_layers": 48},
+    "qwen3-235B-A22B": {"model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 4096,
+                        "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                        "num_hidden_layers": 94, "num_attention_heads": 64,
+                        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                        "num_experts_per_tok": 8, "norm_topk_prob": True,
+                        "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1,
+                        "mlp_only_layers": [], "output_router_logits": False,
+                        "vocab_size": 151936, "max_position_embeddings": 40960,
+                        "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06,
+                        "tie_word_embeddings": False, "attention_bias": False,
+                        "use_sliding_window": False, "sliding_window": None,
+                        "max_window_layers": 94},
 }
 
 
@@ -227,6 +272,53 @@ def test_fresh_qwen3_config_json_is_what_transformers_loads(hf_dirs, tmp_path):
                                rtol=0, atol=1e-6)
     with pytest.raises(ConfigError, match="qk_layernorm and add_qkv_bias has no Hugging Face"):
         to_hf(model.with_(add_qkv_bias=True), "float32")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 (only 1 is supported)"),
+    ({"mlp_only_layers": [0, 3]}, "mlp_only_layers=[0, 3] (ray_ppu builds every layer as a MoE "
+                                  "layer: only [] is supported)"),
+    ({"attention_bias": True}, "attention_bias=True (only False is supported)"),
+])
+def test_unsupported_qwen3_moe_config_json_is_named(change, message):
+    from ray_ppu.hf.config import model_from_hf
+
+    with pytest.raises(ConfigError) as err:
+        model_from_hf({**PUBLISHED["qwen3-30B-A3B"], **change}, "/m/config.json")
+    assert str(err.value).startswith("/m/config.json: ") and message in str(err.value)
+
+
+def test_qwen3_moe_config_json_both_spellings_and_a_fresh_export(hf_dirs, tmp_path):
+    """transformers 5 writes num_experts as num_local_experts (and rope_parameters); both are
+    read. A fresh export (no source config.json) is a Qwen3MoeForCausalLM config that
+    transformers builds the reference's model from: the same logits on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_ppu.hf.config import CONFIG_FILE, mismatches, model_from_hf, read, to_hf
+
+    raw = read(hf_dirs["qwen3_moe"])
+    assert "num_local_experts" in raw and "num_experts" not in raw  # transformers 5 wrote it
+    model = model_from_hf(raw)
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size) == (4, 2, 48)
+    assert model.moe_norm_topk_prob and model.qk_layernorm and model.kv_channels == 32
+    # a different load-balancing weight is a training choice; a different top-k is another model
+    assert mismatches(model.with_(moe_aux_loss_coeff=0.01), model) == []
+    assert mismatches(model.with_(moe_router_topk=1), model) == [
+        "model.moe_router_topk=1 but num_experts_per_tok gives 2"]
+    config = to_hf(model, "float32")
+    assert (config["architectures"], config["num_experts"], config["moe_intermediate_size"]) == (
+        ["Qwen3MoeForCausalLM"], 4, 48)
+    fresh = tmp_path / "fresh"
+    shutil.copytree(hf_dirs["qwen3_moe"], fresh)
+    (fresh / CONFIG_FILE).write_text(json.dumps(config))
+    loaded = AutoModelForCausalLM.from_pretrained(fresh).eval()
+    assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        logits = loaded(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(logits, torch.load(hf_dirs["qwen3_moe"] / "reference_logits.pt"),
+                               rtol=0, atol=1e-6)
+    with pytest.raises(ConfigError, match="a MoE model without qk_layernorm"):
+        to_hf(model.with_(qk_layernorm=False), "float32")
 
 
 def test_transformers5_spelling_is_read(hf_dirs):
@@ -338,8 +430,8 @@ def test_sharded_writer_follows_upstream_layout(tmp_path):
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
 def test_logits_equal_transformers_at_every_layout(hf_dirs, launched, kind):
     reference = torch.load(hf_dirs[kind] / "reference_logits.pt")
-    for tp, pp, vs in LAYOUTS[kind]:
-        name = f"{kind}_tp{tp}_pp{pp}_vs{vs}"
+    for layout in LAYOUTS[kind]:
+        name = layout_name(kind, layout)
         ours = torch.load(launched / f"{name}.pt")
         assert ours.shape == reference.shape == (len(PROMPT), 1000), name
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5, msg=name)
@@ -568,15 +660,16 @@ def _run_layouts(jobs: dict) -> None:
     with parallel.process_group("cpu"):
         for kind, layouts in jobs["layouts"].items():
             source = inference.open_source(jobs["models"][kind])
-            for tp, pp, vs in layouts:
+            for layout in layouts:
+                tp, pp, vs, ep, etp = (*layout, 1, None)[:5]
                 cfg, plan = inference.inference_config(source.model, dist.get_world_size(), tp,
-                                                       pp, vs, device="cpu")
+                                                       pp, vs, device="cpu", ep=ep, etp=etp)
                 with inference.built_model(cfg, plan, "cpu") as chunks:
                     inference.load_weights(chunks, source, cfg, plan)
                     logits = inference.prompt_logits(chunks, PROMPT, source.model.vocab_size,
                                                      torch.device("cpu"))
                 if dist.get_rank() == 0:
-                    torch.save(logits, out / f"{kind}_tp{tp}_pp{pp}_vs{vs}.pt")
+                    torch.save(logits, out / f"{layout_name(kind, layout)}.pt")
         for kind in jobs["convert"]:
             to_mcore(jobs["models"][kind], out / f"mcore_{kind}", tp=2)
 

@@ -1,4 +1,4 @@
-"""A Hugging Face ``config.json`` (Qwen2 / Qwen3 / LLaMA) as a ModelConfig, and back.
+"""A Hugging Face ``config.json`` (Qwen2 / Qwen3 / Qwen3-MoE / LLaMA) as a ModelConfig, and back.
 
 Both spellings of RoPE settings are read: ``rope_theta`` + ``rope_scaling`` (transformers 4,
 what the published Qwen2.5 and LLaMA-3.1 files use) and ``rope_parameters`` (transformers 5).
@@ -10,6 +10,12 @@ Qwen3 (dense) is LLaMA's layout plus a per-head RMSNorm of queries and keys (``q
 and an explicit ``head_dim`` (``kv_channels``; transformers defaults it to 128 for Qwen3, not
 to hidden / heads as for Qwen2 and LLaMA). Its ``attention_bias`` would also put a bias on
 o_proj, which GPTModel's ``add_qkv_bias`` does not have: only false is accepted.
+
+Qwen3-MoE is Qwen3's attention with routed experts in the MLPs. ray_ppu builds every layer as
+a MoE layer, as both published checkpoints are (decoder_sparse_step 1, no mlp_only_layers):
+another pattern is an error naming the two keys. transformers 5 writes ``num_experts`` as
+``num_local_experts``; both are read. ``router_aux_loss_coef`` is a training choice
+(``model.moe_aux_loss_coeff`` may differ from it).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from ray_ppu.config.schema import ModelConfig
 
 CONFIG_FILE = "config.json"
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "llama": "LlamaForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
+QWEN3_FAMILY = ("qwen3", "qwen3_moe")  # q / k norms, head_dim 128 unless given, no bias
 # transformers' Qwen3Config head_dim when config.json leaves it out (not hidden / heads)
 QWEN3_HEAD_DIM = 128
 
@@ -32,7 +39,8 @@ QWEN3_HEAD_DIM = 128
 # and max_position_embeddings, which shapes no weight (only RoPE tables) and differs between
 # published variants of one model (Qwen2.5-7B: 131072, its Instruct: 32768).
 TRAINING_FIELDS = ("preset", "init_method_std", "hidden_dropout", "attention_dropout",
-                   "make_vocab_size_divisible_by", "max_position_embeddings")
+                   "make_vocab_size_divisible_by", "max_position_embeddings",
+                   "moe_aux_loss_coeff")
 
 # HF config.json key for each architecture field, as named in error messages.
 HF_NAMES = {
@@ -51,6 +59,11 @@ HF_NAMES = {
     "add_qkv_bias": "attention_bias (qwen2: always)",
     "qk_layernorm": "model_type (qwen3: q_norm / k_norm)",
     "untie_embeddings_and_output_weights": "tie_word_embeddings (negated)",
+    "num_moe_experts": "num_experts",
+    "moe_router_topk": "num_experts_per_tok",
+    "moe_ffn_hidden_size": "moe_intermediate_size",
+    "moe_norm_topk_prob": "norm_topk_prob",
+    "moe_aux_loss_coeff": "router_aux_loss_coef",
 }
 
 # Megatron-Core's llama3 RoPE scaling has these fixed (RotaryEmbedding._apply_scaling).
@@ -108,7 +121,12 @@ def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
 
     require("hidden_act", "silu", "silu")
     require("mlp_bias", False, False)
-    if model_type in ("qwen2", "qwen3"):
+    if model_type == "qwen3_moe":  # every layer routed: the published pattern, and ours
+        require("decoder_sparse_step", 1, 1)
+        if hf.get("mlp_only_layers"):
+            problems.append(f"mlp_only_layers={hf['mlp_only_layers']!r} (ray_ppu builds every "
+                            f"layer as a MoE layer: only [] is supported)")
+    if model_type in ("qwen2", *QWEN3_FAMILY):
         require("use_sliding_window", False, False)
     if model_type == "qwen2":
         qkv_bias = True  # Qwen2 always has Q/K/V biases and no output-projection bias
@@ -118,7 +136,8 @@ def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
         qkv_bias = False
     heads = hf["num_attention_heads"]
     derived = hf["hidden_size"] // heads
-    head_dim = hf.get("head_dim") or (QWEN3_HEAD_DIM if model_type == "qwen3" else derived)
+    qwen3 = model_type in QWEN3_FAMILY
+    head_dim = hf.get("head_dim") or (QWEN3_HEAD_DIM if qwen3 else derived)
     theta, scaling = _rope(hf, where)
     factor = 8.0
     if scaling is not None:
@@ -143,8 +162,7 @@ def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
         num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads,
         # explicit where config.json's head width is its own (Qwen3: always); else derived
-        kv_channels=(head_dim if model_type == "qwen3" or head_dim * heads != hf["hidden_size"]
-                     else None),
+        kv_channels=(head_dim if qwen3 or head_dim * heads != hf["hidden_size"] else None),
         vocab_size=hf["vocab_size"],
         max_position_embeddings=hf["max_position_embeddings"],
         rotary_base=int(theta),
@@ -152,9 +170,20 @@ def model_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
         rope_scaling_factor=factor,
         norm_epsilon=float(hf["rms_norm_eps"]),
         add_qkv_bias=qkv_bias,
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=qwen3,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        **(_moe_from_hf(hf) if model_type == "qwen3_moe" else {}),
     )
+
+
+def _moe_from_hf(hf: dict) -> dict:
+    """ModelConfig's MoE fields of a Qwen3-MoE config.json (transformers' defaults where a key
+    is left out)."""
+    return dict(num_moe_experts=hf.get("num_experts", hf.get("num_local_experts", 128)),
+                moe_router_topk=hf.get("num_experts_per_tok", 8),
+                moe_ffn_hidden_size=hf.get("moe_intermediate_size", 768),
+                moe_norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.001)))
 
 
 def mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
@@ -170,6 +199,10 @@ def mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
         a, b = getattr(ours, f.name), getattr(theirs, f.name)
         if f.name == "kv_channels":
             a, b = ours.effective_kv_channels, theirs.effective_kv_channels
+        if f.name == "moe_ffn_hidden_size":
+            a, b = ours.effective_moe_ffn_hidden_size, theirs.effective_moe_ffn_hidden_size
+        if f.name in ("moe_router_topk", "moe_norm_topk_prob") and not (ours.is_moe or theirs.is_moe):
+            continue  # routing settings of a model with no experts
         if a != b:
             lines.append(f"model.{f.name}={a!r} but {HF_NAMES[f.name]} gives {b!r}")
     return lines
@@ -211,8 +244,11 @@ def to_hf(model: ModelConfig, dtype: str, base: Optional[dict] = None) -> dict:
     if model.qk_layernorm and model.add_qkv_bias:
         raise ConfigError("a model with qk_layernorm and add_qkv_bias has no Hugging Face "
                           "architecture: Qwen3's attention_bias also puts a bias on o_proj")
-    model_type = ("qwen3" if model.qk_layernorm else "qwen2" if model.add_qkv_bias
-                  else "llama")
+    if model.is_moe and not model.qk_layernorm:
+        raise ConfigError("a MoE model without qk_layernorm has no Hugging Face architecture "
+                          "ray_ppu exports (Qwen3-MoE norms its queries and keys)")
+    model_type = ("qwen3_moe" if model.is_moe else "qwen3" if model.qk_layernorm
+                  else "qwen2" if model.add_qkv_bias else "llama")
     out = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
@@ -234,6 +270,12 @@ def to_hf(model: ModelConfig, dtype: str, base: Optional[dict] = None) -> dict:
         "torch_dtype": dtype,
         "use_cache": True,
     }
+    if model_type == "qwen3_moe":
+        out.update(num_experts=model.num_moe_experts, num_experts_per_tok=model.moe_router_topk,
+                   moe_intermediate_size=model.effective_moe_ffn_hidden_size,
+                   norm_topk_prob=model.moe_norm_topk_prob,
+                   router_aux_loss_coef=model.moe_aux_loss_coeff, decoder_sparse_step=1,
+                   mlp_only_layers=[], output_router_logits=False)
     if model_type != "qwen2":
         out.update(attention_bias=False)
     if model_type == "llama":

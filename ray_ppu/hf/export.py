@@ -125,10 +125,11 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
                           f"directory (stale shards would be loaded with the new ones)")
     reader = _reader(path)
     stored = stored_tensors(reader)
-    expected = weights.layer_keys(model) + weights.global_keys(model)
+    expected = weights.layer_keys(model) + weights.expert_keys(model) + weights.global_keys(model)
     missing = [k for k in expected if k not in stored]
     if missing:
-        family = "Qwen3" if model.qk_layernorm else "Qwen2" if model.add_qkv_bias else "LLaMA"
+        family = ("Qwen3-MoE" if model.is_moe else "Qwen3" if model.qk_layernorm
+                  else "Qwen2" if model.add_qkv_bias else "LLaMA")
         raise ConfigError(f"{path}: the checkpoint lacks {', '.join(missing)} (not a "
                           f"{family} model of this shape?)")
     if stored[weights.QKV][0][0] != model.num_layers:
@@ -139,18 +140,25 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     out.mkdir(parents=True, exist_ok=True)
     writer = ShardedWriter(out, max_shard_bytes)
 
-    def emit(key: str, layer: Optional[int], tensor: torch.Tensor) -> None:
-        for name, part in weights.to_hf(model, padded_vocab, key, layer, tensor):
+    def emit(key: str, layer: Optional[int], tensor: torch.Tensor,
+             expert: Optional[int] = None) -> None:
+        for name, part in weights.to_hf(model, padded_vocab, key, layer, tensor, expert):
             writer.add(name, part.to(out_dtype))
 
     layers = stored[weights.QKV][0][0]
+    per_layer = weights.layer_keys(model) + weights.expert_keys(model)
     for layer in range(layers):
+        # one layer's slab of each key (a MoE layer's: all its experts, in expert order)
         regions = {key: ((layer,) + (0,) * (len(stored[key][0]) - 1),
                          torch.empty((1, *stored[key][0][1:]), dtype=stored[key][1]))
-                   for key in weights.layer_keys(model)}
+                   for key in per_layer}
         read_regions(reader, regions)
         for key, (_, tensor) in regions.items():
-            emit(key, layer, tensor[0])
+            if key in weights.expert_keys(model):
+                for expert, part in enumerate(tensor[0]):
+                    emit(key, layer, part, expert)
+            else:
+                emit(key, layer, tensor[0])
     regions = {key: ((0,) * len(stored[key][0]), torch.empty(stored[key][0], dtype=stored[key][1]))
                for key in weights.global_keys(model)}
     read_regions(reader, regions)

@@ -20,6 +20,12 @@ vocabulary, V' = V padded for TP):
 * Qwen3's per-head norms ``self_attn.q_norm`` / ``k_norm`` [d] are Megatron's
   ``self_attention.q_layernorm`` / ``k_layernorm`` (both specs name them so): one weight shared
   by every head, so each TP rank holds all of it, as it holds the other norms.
+* Qwen3-MoE layers (E experts of width F', published one tensor per expert): the router
+  ``mlp.gate`` [E, h] is ``mlp.router.weight``, replicated; the experts are stored with a
+  second leading axis, the global expert index (an EP rank holds a contiguous block of them):
+  ``mlp.experts.experts.linear_fc1.weight`` [E, 2F', h] is expert e's gate_proj then up_proj,
+  ``linear_fc2`` [E, h, F'] its down_proj. A MoE layer's pre-MLP norm is not fused into fc1
+  (Transformer Engine's MoE layer keeps it apart): ``pre_mlp_layernorm.weight``, on both specs.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ FC1 = _LAYER + "mlp.linear_fc1.weight"
 FC2 = _LAYER + "mlp.linear_fc2.weight"
 Q_NORM = _LAYER + "self_attention.q_layernorm.weight"
 K_NORM = _LAYER + "self_attention.k_layernorm.weight"
+MOE_NORM = _LAYER + "pre_mlp_layernorm.weight"
+ROUTER = _LAYER + "mlp.router.weight"
+EXPERT_FC1 = _LAYER + "mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2 = _LAYER + "mlp.experts.experts.linear_fc2.weight"
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,14 @@ def layer_keys(model: ModelConfig) -> list[str]:
     """The per-layer Megatron keys (stored with a leading layer axis)."""
     attention = [QKV_NORM, QKV] + ([QKV_BIAS] if model.add_qkv_bias else [])
     attention += [Q_NORM, K_NORM] if model.qk_layernorm else []
+    if model.is_moe:
+        return attention + [PROJ, MOE_NORM, ROUTER]
     return attention + [PROJ, FC1_NORM, FC1, FC2]
+
+
+def expert_keys(model: ModelConfig) -> list[str]:
+    """The per-expert Megatron keys (stored with a leading layer axis and an expert axis)."""
+    return [EXPERT_FC1, EXPERT_FC2] if model.is_moe else []
 
 
 def global_keys(model: ModelConfig) -> list[str]:
@@ -70,11 +87,18 @@ def global_keys(model: ModelConfig) -> list[str]:
     return [EMBEDDING, FINAL_NORM] + ([OUTPUT] if model.untie_embeddings_and_output_weights else [])
 
 
-def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int]) -> list[Piece]:
-    """The rows of Megatron tensor ``key`` (of ``layer`` for per-layer keys) as HF pieces."""
+def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int],
+           expert: Optional[int] = None) -> list[Piece]:
+    """The rows of Megatron tensor ``key`` (of ``layer`` for per-layer keys, and of ``expert``
+    for per-expert ones) as HF pieces."""
     h, f, d = model.hidden_size, model.ffn_hidden_size, model.effective_kv_channels
     per_group = model.num_attention_heads // model.num_query_groups
     hf = f"model.layers.{layer}."
+    if key in (EXPERT_FC1, EXPERT_FC2):
+        e, width = f"{hf}mlp.experts.{expert}.", model.effective_moe_ffn_hidden_size
+        if key == EXPERT_FC1:
+            return [Piece(e + "gate_proj.weight", 0, width), Piece(e + "up_proj.weight", 0, width)]
+        return [Piece(e + "down_proj.weight", 0, h)]
     if key in (QKV, QKV_BIAS):
         kind = "weight" if key == QKV else "bias"
         out = []
@@ -97,6 +121,8 @@ def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int]
               FC2: (f"{hf}mlp.down_proj.weight", h),
               Q_NORM: (f"{hf}self_attn.q_norm.weight", d),
               K_NORM: (f"{hf}self_attn.k_norm.weight", d),
+              MOE_NORM: (f"{hf}post_attention_layernorm.weight", h),
+              ROUTER: (f"{hf}mlp.gate.weight", model.num_moe_experts or 0),
               FINAL_NORM: ("model.norm.weight", h)}
     if key not in single:
         raise KeyError(f"no Hugging Face counterpart for Megatron tensor {key}")
@@ -106,7 +132,7 @@ def pieces(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int]
 
 def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of ``model`` holds, with its shape."""
-    h, f, d = model.hidden_size, model.ffn_hidden_size, model.effective_kv_channels
+    h, d = model.hidden_size, model.effective_kv_channels
     q, kv = model.num_attention_heads * d, model.num_query_groups * d
     shapes = {"model.embed_tokens.weight": (model.vocab_size, h), "model.norm.weight": (h,)}
     if model.untie_embeddings_and_output_weights:
@@ -120,10 +146,8 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
         })
+        shapes.update(_mlp_shapes(model, p))
         if model.add_qkv_bias:
             for proj, size in (("q", q), ("k", kv), ("v", kv)):
                 shapes[f"{p}self_attn.{proj}_proj.bias"] = (size,)
@@ -133,14 +157,32 @@ def hf_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _mlp_shapes(model: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP tensors (``p``: its name prefix): SwiGLU's three, or a MoE layer's router
+    and each expert's three."""
+    h = model.hidden_size
+    if not model.is_moe:
+        f = model.ffn_hidden_size
+        return {p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f)}
+    f = model.effective_moe_ffn_hidden_size
+    shapes = {p + "mlp.gate.weight": (model.num_moe_experts, h)}
+    for e in range(model.num_moe_experts):
+        shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (f, h),
+                       f"{p}mlp.experts.{e}.up_proj.weight": (f, h),
+                       f"{p}mlp.experts.{e}.down_proj.weight": (h, f)})
+    return shapes
+
+
 def fill_region(ckpt: Checkpoint, model: ModelConfig, padded_vocab: int, key: str,
-                layer: Optional[int], offset: tuple[int, ...], out: torch.Tensor) -> None:
+                layer: Optional[int], offset: tuple[int, ...], out: torch.Tensor,
+                expert: Optional[int] = None) -> None:
     """Fill ``out`` with rows ``offset[0] : offset[0] + len(out)`` (and likewise columns) of
     Megatron tensor ``key``, read from only the HF slices they overlap; padding rows are 0."""
     first, last = offset[0], offset[0] + out.shape[0]
     cols = slice(offset[1], offset[1] + out.shape[1]) if out.dim() > 1 else None
     at = 0
-    for piece in pieces(model, padded_vocab, key, layer):
+    for piece in pieces(model, padded_vocab, key, layer, expert):
         lo, hi = max(first, at), min(last, at + piece.rows)
         if lo < hi:
             part = out[lo - first:hi - first]
@@ -155,14 +197,14 @@ def fill_region(ckpt: Checkpoint, model: ModelConfig, padded_vocab: int, key: st
 
 
 def to_hf(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int],
-          tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+          tensor: torch.Tensor, expert: Optional[int] = None) -> list[tuple[str, torch.Tensor]]:
     """A whole Megatron tensor cut back into its Hugging Face tensors (padding dropped; a tied
     output layer is not exported: HF ties it to ``embed_tokens``)."""
     if key == OUTPUT and not model.untie_embeddings_and_output_weights:
         return []
     grouped: dict[str, list[tuple[int, torch.Tensor]]] = {}
     at = 0
-    for piece in pieces(model, padded_vocab, key, layer):
+    for piece in pieces(model, padded_vocab, key, layer, expert):
         if piece.name is not None:
             grouped.setdefault(piece.name, []).append((piece.start, tensor[at:at + piece.rows]))
         at += piece.rows
@@ -203,13 +245,15 @@ def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: 
         module = unwrap(chunk)
         filled = 0
         for sh in _sharded_tensors(module):
+            # leading axes: the layer, and for experts the global expert index
             prepend = sh.prepend_axis_num
             layer = sh.global_offset[0] if prepend else None
+            expert = sh.global_offset[1] if prepend > 1 else None
             if tuple(sh.data.shape) != tuple(sh.local_shape):
                 raise ValueError(f"{sh.key} (layer {layer}): the parameter holds "
                                  f"{list(sh.data.shape)}, its shard says {list(sh.local_shape)}")
             fill_region(ckpt, model, padded_vocab, sh.key, layer,
-                        tuple(sh.global_offset[prepend:]), sh.data)
+                        tuple(sh.global_offset[prepend:]), sh.data, expert)
             filled += sh.data.numel()
         total = sum(p.numel() for p in module.parameters())
         if filled != total:
