@@ -45,6 +45,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("Restarts, failed saves, world size",
           ("restarts", "checkpoint_failures", "world_size")),
     Panel("Checkpoint time", ("checkpoint_time_s",), unit="s"),
+    Panel("MoE routing: load-balancing loss, busiest expert / mean",
+          ("moe_load_balancing_loss", "moe_expert_load_max_over_mean")),
 )
 
 TITLE = "ray_ppu training"

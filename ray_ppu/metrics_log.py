@@ -26,6 +26,8 @@ def progress_line(m: dict) -> str:
         line += f" | MFU {m['mfu']:.1%}" if m["mfu"] is not None else " | MFU n/a"
     if "loss_scale" in m:
         line += f" | loss scale {m['loss_scale']:g}"
+    if "moe_expert_load_max_over_mean" in m:
+        line += f" | expert load max/mean {m['moe_expert_load_max_over_mean']:.2f}"
     return line + f" | ETA {eta}"
 
 

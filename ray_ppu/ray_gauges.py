@@ -33,6 +33,10 @@ GAUGES: dict[str, tuple[str, str]] = {
     "checkpoint_time_s": ("ppu_checkpoint_time_s", "Seconds the latest checkpoint took"),
     "checkpoint_failures": ("ppu_checkpoint_failures", "Failed checkpoint saves so far"),
     "world_size": ("ppu_world_size", "Workers training (an elastic group changes it)"),
+    "moe_load_balancing_loss": ("ppu_moe_load_balancing_loss",
+                                "MoE load-balancing loss per layer, without its coefficient (1 = balanced)"),
+    "moe_expert_load_max_over_mean": ("ppu_moe_expert_load_max_over_mean",
+                                      "Tokens of the busiest expert / the mean, worst MoE layer"),
 }
 
 

@@ -140,9 +140,24 @@ def _data_wait_chart(run: Run) -> Chart:
                  "iteration", "data wait per iteration (ms)")
 
 
+def _routing_chart(run: Run) -> Chart:
+    """A MoE run's routing per iteration: the load-balancing loss (1 = balanced) and the
+    busiest expert's tokens over the mean (worst layer)."""
+    rows = last_per_iteration(run.train)
+    series = [Series(label, [(num(r, "iteration"), num(r, key)) for r in rows])
+              for key, label in (("moe_load_balancing_loss", "load-balancing loss"),
+                                 ("moe_expert_load_max_over_mean", "busiest expert / mean"))
+              if any(num(r, key) is not None for r in rows)]
+    return Chart("Expert routing", series, "iteration", "1 = balanced")
+
+
 def charts_of(run: Run) -> list[Chart]:
-    """The run's charts, in page order; the time charts share the event markers."""
+    """The run's charts, in page order; the time charts share the event markers; a MoE run's
+    routing chart last."""
     clock = clock_of(run)
     markers = _event_markers(run, clock)
-    return [_loss_chart(run), _throughput_chart(run, clock, markers),
-            _efficiency_chart(run, clock, markers), _data_wait_chart(run)]
+    charts = [_loss_chart(run), _throughput_chart(run, clock, markers),
+              _efficiency_chart(run, clock, markers), _data_wait_chart(run)]
+    if any(num(r, "moe_expert_load_max_over_mean") is not None for r in run.train):
+        charts.append(_routing_chart(run))
+    return charts

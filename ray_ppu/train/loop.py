@@ -64,6 +64,8 @@ class TrainState:
     optimizer: object
     scheduler: object
     device: torch.device
+    # a MoE model's routing statistics (:mod:`ray_ppu.train.moe_metrics`); None when dense
+    expert_load: Optional[object] = None
 
 
 @dataclass
@@ -196,6 +198,8 @@ def _training_row(state: TrainState, window: "_Window", timed: Optional[TimedIte
         "elapsed_s": time.perf_counter() - run_start,
         "eta_s": (plan.train_iters - done) * step_time,
     }
+    if state.expert_load is not None:  # collective, like the loss
+        metrics.update(state.expert_load.row(window.iterations * plan.num_microbatches))
     if get_attr_wrapped_model(state.model[0], "config").fp16:
         # dynamic loss scaling: halved on overflow, grown after a window
         metrics["loss_scale"] = float(state.optimizer.get_loss_scale())

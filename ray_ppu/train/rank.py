@@ -75,6 +75,7 @@ def train_rank(
     from ray_ppu.model import build_model, packed_format
     from ray_ppu.optim import build_optimizer
     from ray_ppu.train.loop import TrainState, train
+    from ray_ppu.train.moe_metrics import expert_load
 
     duties = _RankDuties(cfg, plan, backend, batches, start_iteration, resume, failures, startup,
                          on_checkpoint=on_checkpoint, interruption=interruption,
@@ -83,12 +84,14 @@ def train_rank(
         parallel.initialize(plan, cfg.training.seed)
         try:
             # random weights only where nothing is loaded over them
-            model, _ = build_model(cfg, plan, backend, initialize=resume is None
-                                   and not cfg.checkpoint.pretrained)
+            model, config = build_model(cfg, plan, backend, initialize=resume is None
+                                        and not cfg.checkpoint.pretrained)
             optimizer, scheduler = build_optimizer(cfg, plan, model)
             _load_state(cfg, plan, resume, start_iteration, model, optimizer, scheduler,
                         duties.rank0)
-            state = TrainState(plan, model, optimizer, scheduler, devices.torch_device(backend))
+            device = devices.torch_device(backend)
+            state = TrainState(plan, model, optimizer, scheduler, device,
+                               expert_load=expert_load(model, config, device))
             duties.model_ready(state)
             final = train(state, batches, duties.hooks(), start_iteration=start_iteration,
                           valid_batches=valid_batches, log_interval=cfg.training.log_interval,
