@@ -1,7 +1,9 @@
 """ray_ppu.tools.pai_migration (entrypoints/from_pai_script.py): the PAI guide's 7B launch
 (``run_dsw_7b.sh``) migrated and dry-run through pretrain.py, and one in-process test per quirk
 of run_mcore_qwen-no-overlap.sh that the migration reproduces (config values plus the
-reinterpretation line the entry point prints on stderr)."""
+reinterpretation line the entry point prints on stderr); then run_mcore_qwen3.sh: a Qwen3-MoE
+launch mapped and dry-run, the dense sizes, and a user's copy of the script whose MoE options
+ray_ppu reproduces, reports as not reproduced, or refuses."""
 
 import json
 import os
@@ -360,3 +362,246 @@ def test_activation_offload_takes_mp_ac_layers(tmp_path):
     assert tree["memory"]["activation_offload_layers"] == 2
     assert tree["memory"]["recompute"] == "none"
     assert any(line.startswith("AC=offload: memory.activation_offload_layers=2") for line in err)
+
+
+# --- run_mcore_qwen3.sh (examples/qwen3): 27 arguments, ETP and EP after CP -----------------
+
+QWEN3 = {**REFERENCE, "MODEL_SIZE": "A3B", "GLOBAL_BATCH_SIZE": "32", "SEQ_LEN": "1024",
+         "PAD_LEN": "1024", "TP": "2", "ETP": "1", "EP": "8", "AC": "sel",
+         "PRETRAIN_CHECKPOINT_PATH": "none", "TRAIN_TOKENS_OR_ITERS": "1000000000",
+         "WARMUP_TOKENS_OR_ITERS": "10000000"}
+QWEN3_MOE_KEYS = {"num_moe_experts": 128, "moe_router_topk": 8, "moe_ffn_hidden_size": 768,
+                  "moe_aux_loss_coeff": 0.001, "moe_norm_topk_prob": True, "kv_channels": 128,
+                  "qk_layernorm": True, "add_qkv_bias": False}
+
+
+def qwen3_arguments(**changes) -> list[str]:
+    values = {**QWEN3, **changes}
+    return [values[name] for name in pai_migration.QWEN3_ARGUMENTS]
+
+
+def migrate_qwen3(tmp_path, env=None, script="run_mcore_qwen3.sh", **changes):
+    """As migrate, for run_mcore_qwen3.sh (``script``: its name or the path of a copy)."""
+    out = tmp_path / "run.yaml"
+    out.unlink(missing_ok=True)
+    try:
+        migrated = pai_migration.migrate_launch(qwen3_arguments(**changes), env or {},
+                                                script=str(script), output=out)
+    except MigrationError as err:
+        return 2, None, str(err).splitlines()
+    return 0, yaml.safe_load(out.read_text()), migrated.notes
+
+
+def test_qwen3_moe_launch_line_maps_the_expert_settings(tmp_path):
+    values = {**QWEN3}
+    lines = [f"{v} \\" for v in (values[n] for n in pai_migration.QWEN3_ARGUMENTS)]
+    script = tmp_path / "run_dsw_a3b.sh"
+    script.write_text("cd examples/qwen3 && \\\nsh run_mcore_qwen3.sh \\\n" +
+                      "\n".join(lines).removesuffix(" \\") + "\n")
+    out = tmp_path / "a3b.yaml"
+    proc = cli(str(script), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    tree = yaml.safe_load(out.read_text())
+    assert tree["model"]["preset"] == "qwen3-30B-A3B"
+    assert {k: tree["model"][k] for k in QWEN3_MOE_KEYS} == QWEN3_MOE_KEYS
+    assert "num_layers" not in tree["model"]  # the branch's 48 layers are the preset's
+    p = tree["parallel"]
+    assert (p["expert_model_parallel_size"], p["expert_tensor_parallel_size"],
+            p["moe_token_dispatcher_type"]) == (8, 1, "alltoall")
+    assert p["overlap_grad_reduce"] is False  # the script never passes comm_overlap_option
+    assert tree["training"]["weight_decay"] == 0.01
+    assert tree["output"]["name"].startswith("pretrain-mcore-qwen3-moe-megatron-A3B-lr-1e-5-")
+    text = out.read_text()
+    assert "expert_model_parallel_size: 8  # EP (${14}): --expert-model-parallel-size 8" in text
+    err = proc.stderr.splitlines()
+    assert any(line.startswith("--moe-grouped-gemm: mapped by design") for line in err)
+    assert any(line.startswith("--moe-layer-freq ([1]*48): mapped by design") for line in err)
+    dry = dry_run(out)
+    tc = dry["megatron"]["TransformerConfig"]
+    assert (tc["num_moe_experts"], tc["moe_router_topk"],
+            tc["moe_ffn_hidden_size"]) == (128, 8, 768)
+    assert tc["expert_model_parallel_size"] == 8 and tc["moe_aux_loss_coeff"] == 0.001
+    assert tc["kv_channels"] == 128 and tc["qk_layernorm"] is True
+    # 1e9 tokens / 32 / 1024 = 30517 (30517.6), 1e7 / 32 / 1024 = 305 (305.2)
+    assert (dry["plan"]["train_iters"], dry["plan"]["lr_warmup_iters"]) == (30517, 305)
+
+
+@pytest.mark.parametrize("size,preset,layers", [("0.6B", "qwen3-0.6B", 28),
+                                                ("32B", "qwen3-32B", 64)])
+def test_qwen3_dense_sizes_take_their_preset_and_no_experts(tmp_path, size, preset, layers):
+    status, tree, err = migrate_qwen3(tmp_path, MODEL_SIZE=size, TP="1", env={"MP_AC_LAYERS": "2"},
+                                      AC="full")
+    assert status == 0, err
+    assert tree["model"]["preset"] == preset and tree["model"]["kv_channels"] == 128
+    assert not any(k.startswith("moe_") or k == "num_moe_experts" for k in tree["model"])
+    assert not any("expert" in k or "moe" in k for k in tree["parallel"])
+    assert f"EP=8 unused: MODEL_SIZE={size} is dense (the script passes no MoE options)" in err
+    assert load(tmp_path / "run.yaml").model.num_layers == layers
+    assert tree["memory"]["recompute_num_layers"] == 2  # the branch's layers: even by 2
+    # the full-recompute check divides the branch's layers: 28 or 64 by 3 leaves 1
+    status, _, err = migrate_qwen3(tmp_path, MODEL_SIZE=size, TP="1", env={"MP_AC_LAYERS": "3"},
+                                   AC="full")
+    assert status == 2 and f"({layers} layers / PP 1) % 3 = 1" in err[0]
+
+
+def test_qwen3_a22b_is_the_235b_preset(tmp_path):
+    status, tree, err = migrate_qwen3(tmp_path, MODEL_SIZE="A22B", ENV="dlc", TP="4", PP="2",
+                                      EP="16", env={"WORLD_SIZE": "8"})
+    assert status == 0, err
+    assert tree["model"]["preset"] == "qwen3-235B-A22B"
+    assert tree["model"]["moe_ffn_hidden_size"] == 1536
+    assert tree["parallel"]["expert_model_parallel_size"] == 16
+    assert tree["cluster"]["num_workers"] == 128
+
+
+def test_qwen3_arguments_are_named_by_their_position(tmp_path):
+    status, _, err = migrate_qwen3(tmp_path, EP="eight")
+    assert status == 2 and err[0].startswith("EP (${14})='eight'")
+    status, _, err = migrate_qwen3(tmp_path, EP="3")  # 128 experts / EP 3
+    text = "\n".join(err)
+    assert status == 2 and "num_moe_experts 128 is not divisible by EP 3" in text
+    assert "EP (${14})" in text
+    status, _, err = migrate_qwen3(tmp_path, SP="false")  # MoE at TP 2 needs SP
+    assert status == 2 and "sequence_parallel" in "\n".join(err) and "SP (${15})" in "\n".join(err)
+    proc = cli("--script", "run_mcore_qwen3.sh", "--", *arguments())  # the Qwen2.5 25
+    assert proc.returncode == 2
+    assert "25 arguments, run_mcore_qwen3.sh reads 27; missing: WARMUP_TOKENS_OR_ITERS " \
+           "OUTPUT_BASEPATH" in proc.stderr
+    status, _, err = migrate_qwen3(tmp_path, MODEL_SIZE="7B")
+    assert status == 2 and "MODEL_SIZE ($2)='7B'" in err[0] and "A3B" in err[0]
+
+
+def test_qwen3_offload_fraction_uneven_pipeline_and_fp8(tmp_path):
+    status, tree, err = migrate_qwen3(tmp_path, OPTIMIZER_OFFLOAD="0.5", DO="false")
+    assert status == 0, err
+    assert tree["memory"]["optimizer_offload"] == "static"
+    assert tree["memory"]["optimizer_offload_fraction"] == 0.5
+    assert tree["training"]["use_distributed_optimizer"] is True
+    status, _, err = migrate_qwen3(tmp_path, OPTIMIZER_OFFLOAD="static")
+    assert status == 2 and err[0].startswith("OPTIMIZER_OFFLOAD (${20})='static'")
+    status, _, err = migrate_qwen3(tmp_path, env={"MP_PP0_LAYERS": "10"})
+    assert status == 2 and "uneven pipeline split must be used when PP > 1" in err[0]
+    status, _, err = migrate_qwen3(tmp_path, env={"MP_PP0_LAYERS": "11"}, PP="3")
+    assert status == 2 and "(48 layers - 11) % (PP 3 - 1) = 1" in err[0]
+    status, tree, err = migrate_qwen3(tmp_path, env={"MP_PP0_LAYERS": "11"}, PP="2")
+    assert status == 0, err  # 37 % 1 = 0; ray_ppu splits 48 evenly
+    assert any(line.startswith("MP_PP0_LAYERS=11: the script gives the first pipeline stage 11")
+               for line in err)
+    status, tree, err = migrate_qwen3(tmp_path, PR="fp8")
+    assert status == 0 and tree["training"]["precision"] == "fp8"
+    assert any("--fp8-recipe blockwise" in line and "not reproduced" in line for line in err)
+
+
+# A user's copy of run_mcore_qwen3.sh: only its MODEL_SIZE branches are read.
+QWEN3_COPY = """#!/bin/bash
+MODEL_SIZE=$2
+ETP=${{13}}
+EP=${{14}}
+if [ $MODEL_SIZE = 8B ]; then
+    NUM_LAYERS=36
+    moe_options=""
+elif [ $MODEL_SIZE = A3B ]; then
+    NUM_LAYERS=48
+    HIDDEN_SIZE=2048
+    NUM_ATTENTION_HEADS=32
+    INTERMEDIATE_SIZE=6144
+    MOE_INTERMEDIATE_SIZE=768
+    MAX_POSITION_EMBEDDINGS=40960
+    VOCAB_SIZE=151936
+    NUM_KEY_VALUE_HEADS=4
+    ROPE_THETA=1000000
+    NUM_EXPERTS=128
+    RMS_NORM_EPS=1e-6
+    moe_options=" \\
+        --moe-grouped-gemm \\
+        --moe-router-topk 8 \\
+        --num-experts ${{NUM_EXPERTS}} \\
+        --expert-tensor-parallel-size ${{ETP}} \\
+        --expert-model-parallel-size ${{EP}} \\
+        --moe-ffn-hidden-size ${{MOE_INTERMEDIATE_SIZE}} \\
+        {moe}
+        "
+    tie_option="--untie-embeddings-and-output-weights"
+    gqa_options=" \\
+        --group-query-attention \\
+        --num-query-groups ${{NUM_KEY_VALUE_HEADS}}"
+fi
+echo "the rest of the script is not read"
+"""
+STOCK_MOE = ("--moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss "
+             "--moe-aux-loss-coeff 0.001 --moe-layer-freq '([1]*48)'")
+
+
+def write_copy(tmp_path, moe: str):
+    path = tmp_path / "run_mcore_qwen3.sh"
+    path.write_text(QWEN3_COPY.format(moe=moe))
+    return path
+
+
+def test_qwen3_copy_with_the_stock_moe_options_matches_the_published_script(tmp_path):
+    status, published, _ = migrate_qwen3(tmp_path)
+    assert status == 0
+    status, tree, err = migrate_qwen3(tmp_path, script=write_copy(tmp_path, STOCK_MOE))
+    assert status == 0, err
+    assert tree["model"] == published["model"] and tree["parallel"] == published["parallel"]
+    assert not any("not reproduced" in line or "unsupported" in line for line in err)
+    status, tree, err = migrate_qwen3(tmp_path, script=write_copy(
+        tmp_path, STOCK_MOE + " --moe-router-pre-softmax"))
+    assert status == 0 and tree["model"]["moe_norm_topk_prob"] is False
+    status, tree, err = migrate_qwen3(tmp_path, script=write_copy(
+        tmp_path, STOCK_MOE.replace("alltoall", "allgather")))
+    assert status == 0 and tree["parallel"]["moe_token_dispatcher_type"] == "allgather"
+    # 8B's branch of the copy sets no HIDDEN_SIZE: the script would pass --hidden-size ''
+    status, _, err = migrate_qwen3(tmp_path, script=tmp_path / "run_mcore_qwen3.sh",
+                                   MODEL_SIZE="8B")
+    assert status == 2 and "HIDDEN_SIZE is not set" in err[0]
+    status, _, err = migrate_qwen3(tmp_path, script=tmp_path / "run_mcore_qwen3.sh",
+                                   MODEL_SIZE="A22B")
+    assert status == 2 and "has no [ $MODEL_SIZE = A22B ] branch" in err[0]
+
+
+@pytest.mark.parametrize("moe,named", [
+    ("--moe-router-load-balancing-type sinkhorn --moe-aux-loss-coeff 0.001",
+     "--moe-router-load-balancing-type sinkhorn"),
+    ("--moe-token-dispatcher-type alltoall --moe-layer-freq '([0]+[1]*46+[0])'",
+     "--moe-layer-freq ([0]+[1]*46+[0])"),
+    ("--moe-layer-freq 2", "--moe-layer-freq 2"),
+    ("--moe-shared-expert-intermediate-size 512", "--moe-shared-expert-intermediate-size 512"),
+])
+def test_qwen3_unsupported_moe_values_are_named(tmp_path, moe, named):
+    status, tree, err = migrate_qwen3(tmp_path, script=write_copy(tmp_path, moe))
+    assert status == 0, err
+    line = next(line for line in err if line.startswith(named))
+    assert "not reproduced" in line and "run_mcore_qwen3.sh, MODEL_SIZE=A3B branch" in line
+    if "freq" in named:
+        dense = "2 of 48 layers dense (layers 0, 47)" if "[0]" in named else \
+            "24 of 48 layers dense"
+        assert dense in line
+
+
+@pytest.mark.parametrize("moe,named", [
+    ("--moe-token-dispatcher-type flex", "--moe-token-dispatcher-type 'flex'"),
+    ("--moe-layer-freq '([1]*47)'", "--moe-layer-freq ([1]*47): 47 entries for 48 layers"),
+    ("--moe-layer-freq '__import__(os)'", "--moe-layer-freq '__import__(os)': expected"),
+    ("--moe-router-topk eight", "--moe-router-topk 'eight': expected an integer"),
+])
+def test_qwen3_moe_values_no_run_could_match_are_errors(tmp_path, moe, named):
+    status, _, err = migrate_qwen3(tmp_path, script=write_copy(tmp_path, moe))
+    assert status == 2 and named in err[0], err
+    assert "run_mcore_qwen3.sh, MODEL_SIZE=A3B branch" in err[0]
+
+
+def test_qwen3_load_balancing_none_drops_the_aux_loss(tmp_path):
+    status, tree, err = migrate_qwen3(tmp_path, script=write_copy(
+        tmp_path, "--moe-router-load-balancing-type none --moe-aux-loss-coeff 0.01"))
+    assert status == 0, err
+    assert tree["model"]["moe_aux_loss_coeff"] == 0.0
+    assert any(line.startswith("--moe-router-load-balancing-type none with --moe-aux-loss-coeff "
+                               "0.01") for line in err)
+    # left out: Megatron's defaults (allgather dispatcher, no aux loss) rather than the preset's
+    status, tree, err = migrate_qwen3(tmp_path, script=write_copy(tmp_path, ""))
+    assert status == 0, err
+    assert tree["parallel"]["moe_token_dispatcher_type"] == "allgather"
+    assert tree["model"]["moe_aux_loss_coeff"] == 0.0
+    assert any(line.startswith("MODEL_SIZE=A3B: the script sets moe_aux_loss_coeff 0.0") for
+               line in err)

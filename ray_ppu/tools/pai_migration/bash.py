@@ -6,6 +6,10 @@ continuations, comments, ``;`` / ``&&`` / ``||`` / ``|`` lists, ``VAR=value cmd`
 ``export`` / ``unset`` lines, ``$VAR`` / ``${VAR}`` and wrappers such as ``sh`` or ``nohup``.
 Anything it cannot evaluate (command substitution, an unknown variable) is an error rather
 than a guess, since one wrong word would shift every positional argument after it.
+
+It also reads one branch of an ``if [ $VAR = value ]`` chain of the launch script itself
+(:func:`branch_assignments`): run_mcore_qwen3.sh describes each MODEL_SIZE with variables and
+option strings there, which a user's copy may have edited.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import posixpath
 import re
 import shlex
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 from ray_ppu.errors import MigrationError
 from ray_ppu.tools.pai_migration.launch import Launch
@@ -116,5 +120,60 @@ def parse_script(path: Path, environ: Mapping[str, str]) -> Launch:
     if len(calls) != 1:
         found = ", ".join(c.source for c in calls) or "none"
         raise MigrationError(f"{path}: expected one call of run_mcore_qwen*.sh, found "
-                             f"{len(calls)} ({found}); pass the 25 arguments directly instead")
+                             f"{len(calls)} ({found}); pass the script's arguments directly "
+                             f"instead")
     return calls[0]
+
+
+BRANCH_END = re.compile(r"(?:elif|else|fi)\b")
+NESTED_IF = re.compile(r"(?:if|case)\b")
+SKIP = re.compile(r"(?:\s+|#[^\n]*)+")
+# NAME="..." (backslash escapes kept for the caller), NAME='...' (literal) or NAME=word
+BRANCH_ASSIGNMENT = re.compile(
+    r"""([A-Za-z_]\w*)=(?:"((?:[^"\\]|\\.)*)"|'([^']*)'|([^\s;#"']*))""", re.S)
+
+
+def branch_assignments(path: Path, variable: str, value: str, known: Mapping[str, str]
+                       ) -> Optional[tuple[dict[str, str], dict[str, str]]]:
+    """The variables the ``[ $variable = value ]`` branch of an if / elif chain assigns, as bash
+    leaves them (backslash-newlines inside double quotes removed, ``$VAR`` expanded from
+    ``known`` and the branch's earlier assignments), and, apart, why any could not be
+    evaluated (an error only for the caller that needs that variable). None when the file has
+    no such branch. The branch ends at its chain's next elif / else / fi, so an ``if`` nested
+    in it is an error rather than a misread."""
+    text = path.read_text()
+    header = re.compile(rf"""^[ \t]*(?:el)?if[ \t]+\[[ \t]+"?\$\{{?{re.escape(variable)}\}}?"?"""
+                        rf"""[ \t]+=[ \t]+["']?{re.escape(value)}["']?[ \t]+\][ \t]*;?[ \t]*"""
+                        rf"""then\b""", re.M)
+    match = header.search(text)
+    if match is None:
+        return None
+    variables, assigned, unreadable, pos = dict(known), {}, {}, match.end()
+    while pos < len(text):
+        skipped = SKIP.match(text, pos)
+        pos = skipped.end() if skipped else pos
+        where = f"{path}:{text.count(chr(10), 0, pos) + 1}"
+        if pos >= len(text) or BRANCH_END.match(text, pos):
+            break
+        if NESTED_IF.match(text, pos):
+            raise MigrationError(f"{where}: a nested if / case in the [ ${variable} = {value} ] "
+                                 f"branch cannot be read; move it out of the branch")
+        found = BRANCH_ASSIGNMENT.match(text, pos)
+        if found is None:  # another command: not an assignment, skip its line
+            end = text.find("\n", pos)
+            pos = len(text) if end < 0 else end
+            continue
+        pos = found.end()
+        name, quoted, literal, word = found.groups()
+        variables.pop(name, None)
+        assigned.pop(name, None)
+        unreadable.pop(name, None)
+        if literal is None:
+            try:
+                literal = expand((quoted if quoted is not None else word).replace("\\\n", ""),
+                                 variables, where)
+            except MigrationError as err:
+                unreadable[name] = str(err)
+                continue
+        variables[name] = assigned[name] = literal
+    return assigned, unreadable

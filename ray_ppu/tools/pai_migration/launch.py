@@ -1,4 +1,5 @@
-"""A call of PAI-Megatron-Patch's ``run_mcore_qwen*.sh``: its 25 positional arguments and the
+"""A call of PAI-Megatron-Patch's ``run_mcore_qwen*.sh``: its positional arguments (25 for the
+Qwen2.5 scripts, 27 for ``run_mcore_qwen3.sh``, which adds ETP and EP after CP) and the
 environment variables it reads, parsed the way the script's bash does, and the config being
 built from them with each value's origin.
 
@@ -22,19 +23,34 @@ ARGUMENTS = (
     "DATASET_PATH", "VALID_DATASET_PATH", "PRETRAIN_CHECKPOINT_PATH", "TRAIN_TOKENS_OR_ITERS",
     "WARMUP_TOKENS_OR_ITERS", "OUTPUT_BASEPATH",
 )
-ENV_VARS = ("MP_DATASET_TYPE", "MP_AC_LAYERS", "MP_VP", "MP_SFT_PACKING", "WORLD_SIZE")
+# examples/qwen3/run_mcore_qwen3.sh: the expert-parallel sizes come right after CP.
+QWEN3_ARGUMENTS = ARGUMENTS[:12] + ("ETP", "EP") + ARGUMENTS[12:]
+ENV_VARS = ("MP_DATASET_TYPE", "MP_AC_LAYERS", "MP_VP", "MP_SFT_PACKING", "MP_PP0_LAYERS",
+            "WORLD_SIZE")
 REFERENCE_SCRIPT = "run_mcore_qwen-no-overlap.sh"  # the PAI guide's launch script
 BASH_INT_MAX = 2**63 - 1
 
 
 @dataclass(frozen=True)
 class Launch:
-    """One call of the launch script: its 25 arguments and the environment it sees."""
+    """One call of the launch script: its arguments and the environment it sees."""
 
     args: tuple[str, ...]
     env: Mapping[str, str]
     script: str = REFERENCE_SCRIPT
     source: str = "command-line arguments"
+    script_path: Optional[str] = None
+    """The user's copy of the launch script, read for what the arguments do not say (the
+    MODEL_SIZE branch of run_mcore_qwen3.sh); None = the published script's behaviour."""
+
+    @property
+    def qwen3(self) -> bool:
+        """A call of examples/qwen3's run_mcore_qwen3*.sh (27 arguments, Qwen3 models)."""
+        return self.script.startswith("run_mcore_qwen3")
+
+    @property
+    def argument_names(self) -> tuple[str, ...]:
+        return QWEN3_ARGUMENTS if self.qwen3 else ARGUMENTS
 
 
 @dataclass
@@ -63,22 +79,23 @@ class Arguments:
     """The launch's positional arguments and environment, parsed the way the script uses them."""
 
     def __init__(self, launch: Launch):
-        if len(launch.args) < len(ARGUMENTS):
-            missing = " ".join(ARGUMENTS[len(launch.args):])
-            raise MigrationError(f"{launch.source}: {len(launch.args)} arguments, the script "
-                                 f"reads {len(ARGUMENTS)}; missing: {missing}")
-        self.values = dict(zip(ARGUMENTS, launch.args))
-        self.extra = launch.args[len(ARGUMENTS):]
+        self.names = names = launch.argument_names
+        if len(launch.args) < len(names):
+            missing = " ".join(names[len(launch.args):])
+            raise MigrationError(f"{launch.source}: {len(launch.args)} arguments, "
+                                 f"{launch.script} reads {len(names)}; missing: {missing}")
+        self.values = dict(zip(names, launch.args))
+        self.extra = launch.args[len(names):]
         self.env = launch.env
+        self.qwen3 = launch.qwen3
 
     def raw(self, name: str) -> str:
         return self.values[name]
 
-    @staticmethod
-    def label(name: str) -> str:
+    def label(self, name: str) -> str:
         if name in ENV_VARS:
             return f"{name} (environment)"
-        i = ARGUMENTS.index(name) + 1
+        i = self.names.index(name) + 1
         return f"{name} (${i})" if i < 10 else f"{name} (${{{i}}})"
 
     def env_value(self, name: str) -> str:

@@ -5,7 +5,8 @@ including its quirks (bash integer division for the iteration counts, SP dropped
 DO forced by OPTIMIZER_OFFLOAD, the no-overlap script's unused overlap options); every
 setting that had to be reinterpreted leaves a note, which the entry point prints and the
 YAML header repeats. The settings that depend on files (data, checkpoints, output) are in
-:mod:`.paths`.
+:mod:`.paths`; what run_mcore_qwen3.sh does differently (its model options, offload fraction,
+uneven pipeline, fp8 recipe) is in :mod:`.qwen3`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shlex
 
 from ray_ppu.config.presets import PRESETS
 from ray_ppu.errors import MigrationError
+from ray_ppu.tools.pai_migration import qwen3
 from ray_ppu.tools.pai_migration.launch import Arguments, Launch, Migration
 from ray_ppu.tools.pai_migration.paths import map_checkpoint, map_data, map_output, run_name
 
@@ -45,9 +47,19 @@ def switch(a: Arguments, m: Migration, name: str, otherwise: str) -> bool:
     return value == "true"
 
 
+def passes_overlap(script: str) -> bool:
+    """Whether the script's torchrun line gets its --overlap-grad-reduce --overlap-param-gather:
+    not in the PAI guide's no-overlap copy, nor in run_mcore_qwen3.sh (both build
+    comm_overlap_option and never use it)."""
+    return "no-overlap" not in script and not script.startswith("run_mcore_qwen3")
+
+
 def map_cluster(a: Arguments, m: Migration) -> None:
     """ENV: dsw = one node of 16 PPU; dlc = WORLD_SIZE nodes of 16."""
     env = a.raw("ENV")
+    if a.qwen3 and env in ("dsw", "dlc"):
+        m.note("ENV: run_mcore_qwen3.sh starts one process per device torch.cuda counts (dsw) or "
+               "per KUBERNETES_CONTAINER_RESOURCE_GPU (dlc); ray_ppu counts 16 PPU per 810E node")
     if env == "dsw":
         m.set("cluster.num_workers", GPUS_PER_NODE, a.label("ENV"), "ENV=dsw: one node of 16 PPU")
     elif env == "dlc":
@@ -103,8 +115,9 @@ def map_schedule(a: Arguments, m: Migration, sft: bool) -> tuple[int, int]:
     train = a.count("TRAIN_TOKENS_OR_ITERS", m)
     warmup = a.count("WARMUP_TOKENS_OR_ITERS", m)
     if sft:
-        m.set("training.train_iters", train, train_label, "SFT: TRAIN_ITERS ($23)")
-        m.set("training.lr_warmup_iters", warmup, warmup_label, "SFT: LR_WARMUP_ITERS ($24)")
+        m.set("training.train_iters", train, train_label, f"SFT: TRAIN_ITERS = {train_label}")
+        m.set("training.lr_warmup_iters", warmup, warmup_label,
+              f"SFT: LR_WARMUP_ITERS = {warmup_label}")
         m.set("training.lr_decay_iters", train - warmup, f"{train_label}, {warmup_label}",
               f"$(( TRAIN_ITERS {train} - LR_WARMUP_ITERS {warmup} ))")
         return train, warmup
@@ -133,6 +146,10 @@ def map_precision(a: Arguments, m: Migration) -> None:
                "training.apply_query_key_layer_scaling=true)")
     elif pr == "bf16":
         m.set("training.precision", "bf16", label)
+    elif pr == "fp8" and a.qwen3:
+        m.set("training.precision", "fp8", label)
+        m.set("training.fp8_format", "hybrid", label)
+        qwen3.fp8_recipe_note(m)
     elif pr == "fp8":
         m.set("training.precision", "fp8", label)
         m.set("training.fp8_format", "hybrid", label)
@@ -162,7 +179,7 @@ def map_parallel(a: Arguments, m: Migration, script: str) -> None:
     if a.env_value("MP_VP"):
         m.set("parallel.num_layers_per_virtual_pipeline_stage", a.integer("MP_VP"),
               a.label("MP_VP"))
-    if "no-overlap" in script:
+    if not passes_overlap(script):
         m.set("parallel.overlap_grad_reduce", False, script)
         m.set("parallel.overlap_param_gather", False, script)
         m.note(f"{script} builds comm_overlap_option but never passes it to torchrun: "
@@ -193,7 +210,7 @@ def map_recompute(a: Arguments, m: Migration, num_layers: int, script: str) -> N
         layers = a.integer("MP_AC_LAYERS") if a.env_value("MP_AC_LAYERS") else 1
         m.set("memory.recompute", "none", label)
         m.set("memory.activation_offload_layers", layers, f"{label}, {a.label('MP_AC_LAYERS')}")
-        if "no-overlap" in script:
+        if not passes_overlap(script):
             done = f"{script} passes no overlap options anyway"
         elif a.integer("TP") > 1:
             done = ("the script turns them off and adds --tp-comm-overlap, which ray_ppu has no "
@@ -223,6 +240,9 @@ def map_optimizer(a: Arguments, m: Migration) -> str:
                f"--use-distributed-optimizer; training.use_distributed_optimizer=false")
     m.set("training.use_distributed_optimizer", do == "true",
           f"{a.label('DO')}, {a.label('OPTIMIZER_OFFLOAD')}")
+    if a.qwen3:
+        qwen3.map_offload(a, m)
+        return do
     label = a.label("OPTIMIZER_OFFLOAD")
     if offload == "static":
         m.set("memory.optimizer_offload", "static", label)
@@ -247,11 +267,14 @@ def map_attention(a: Arguments, m: Migration) -> None:
                f"NVTE_FUSED_ATTN and Transformer Engine picks; training.attention_backend=auto")
 
 
-def map_fixed(m: Migration) -> None:
-    """Options the script always passes (written so the config does not rest on defaults)."""
-    for key, value, flag in (
+def map_fixed(m: Migration, qwen3_script: bool) -> None:
+    """Options the script always passes (written so the config does not rest on defaults);
+    run_mcore_qwen3.sh decays weights by 0.01 and takes the RoPE base from its MODEL_SIZE
+    branch (:mod:`.qwen3`)."""
+    decay = 0.01 if qwen3_script else 0.1
+    fixed = (
         ("training.lr_decay_style", "cosine", "--lr-decay-style cosine"),
-        ("training.weight_decay", 0.1, "--weight-decay 0.1"),
+        ("training.weight_decay", decay, f"--weight-decay {decay}"),
         ("training.adam_beta1", 0.9, "--adam-beta1 0.9"),
         ("training.adam_beta2", 0.95, "--adam-beta2 0.95"),
         ("training.clip_grad", 1.0, "--clip-grad 1.0"),
@@ -261,8 +284,10 @@ def map_fixed(m: Migration) -> None:
         ("model.init_method_std", 0.008, "--init-method-std 0.008"),
         ("model.hidden_dropout", 0.0, "--hidden-dropout 0.0"),
         ("model.attention_dropout", 0.0, "--attention-dropout 0.0"),
-        ("model.rotary_base", 1000000, "--rotary-base 1000000"),
-    ):
+    )
+    if not qwen3_script:
+        fixed += (("model.rotary_base", 1000000, "--rotary-base 1000000"),)
+    for key, value, flag in fixed:
         m.set(key, value, f"the script's {flag}")
 
 
@@ -270,16 +295,18 @@ def migrate(launch: Launch) -> Migration:
     """The ray_ppu config (with its notes) that reproduces one call of the launch script."""
     a, m = Arguments(launch), Migration()
     if a.extra:
-        m.note(f"{len(a.extra)} arguments after OUTPUT_BASEPATH ignored (the script reads 25): "
-               f"{shlex.join(a.extra)}")
+        m.note(f"{len(a.extra)} arguments after OUTPUT_BASEPATH ignored (the script reads "
+               f"{len(a.names)}): {shlex.join(a.extra)}")
     map_cluster(a, m)
-    num_layers = map_model(a, m)
+    num_layers = qwen3.map_model(a, m, launch) if a.qwen3 else map_model(a, m)
     map_batch(a, m)
     sft = switch(a, m, "SFT", "the script pretrains (--train-mode pretrain)")
     train_iters, warmup_iters = map_schedule(a, m, sft)
     map_precision(a, m)
     map_parallel(a, m, launch.script)
     map_recompute(a, m, num_layers, launch.script)
+    if a.qwen3:
+        qwen3.map_uneven_pipeline(a, m, num_layers)
     do = map_optimizer(a, m)
     map_attention(a, m)
     map_data(a, m, sft)
@@ -289,5 +316,5 @@ def migrate(launch: Launch) -> Migration:
     else:
         name = run_name(a, sft, do, str(train_iters), str(warmup_iters))
     map_output(a, m, name)
-    map_fixed(m)
+    map_fixed(m, a.qwen3)
     return m

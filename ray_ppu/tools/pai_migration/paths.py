@@ -31,8 +31,9 @@ def map_data(a: Arguments, m: Migration, sft: bool) -> None:
     if kind == "raw":
         checkpoint = a.raw("PRETRAIN_CHECKPOINT_PATH")
         if checkpoint == "none":
-            raise MigrationError("MP_DATASET_TYPE=raw: the script tokenizes with the Hugging Face "
-                                 "tokenizer in PRETRAIN_CHECKPOINT_PATH (${22}), which is none")
+            raise MigrationError(f"MP_DATASET_TYPE=raw: the script tokenizes with the Hugging "
+                                 f"Face tokenizer in {a.label('PRETRAIN_CHECKPOINT_PATH')}, "
+                                 f"which is none")
         m.set("data.dataset", "sft", a.label("MP_DATASET_TYPE"))
         m.set("data.data_path", [data], a.label("DATASET_PATH"))
         m.set("data.valid_data_path", [valid], a.label("VALID_DATASET_PATH"))
@@ -116,7 +117,8 @@ def map_checkpoint(a: Arguments, m: Migration, sft: bool, train_iters: int) -> N
 
 def run_name(a: Arguments, sft: bool, do: str, train_iters: str, warmup_iters: str) -> str:
     """The script's NAME: PREFIX (finetune-/pretrain-…) and the run's settings."""
-    prefix = (f"{'finetune' if sft else 'pretrain'}-mcore-qwen2.5-{a.raw('MODEL_SIZE')}"
+    family = "qwen3-moe-megatron" if a.qwen3 else "qwen2.5"  # each script's PREFIX
+    prefix = (f"{'finetune' if sft else 'pretrain'}-mcore-{family}-{a.raw('MODEL_SIZE')}"
               f"-lr-{a.raw('LR')}-minlr-{a.raw('MIN_LR')}-bs-{a.raw('BATCH_SIZE')}"
               f"-gbs-{a.raw('GLOBAL_BATCH_SIZE')}-seqlen-{a.raw('SEQ_LEN')}")
     return (f"{prefix}-pr-{a.raw('PR')}-tp-{a.raw('TP')}-pp-{a.raw('PP')}-cp-{a.raw('CP')}"

@@ -24,6 +24,7 @@ SECTIONS = ("model", "parallel", "training", "memory", "data", "output", "cluste
 PROBLEM_WORDS = {
     "TP": "parallel.tensor_model_parallel_size", "PP": "parallel.pipeline_model_parallel_size",
     "CP": "parallel.context_parallel_size", "DP": "cluster.num_workers",
+    "EP": "parallel.expert_model_parallel_size", "ETP": "parallel.expert_tensor_parallel_size",
     "world size": "cluster.num_workers", "workers": "cluster.num_workers",
     "num_layers": "model.preset", "hidden_size": "model.preset",
     "num_attention_heads": "model.preset", "num_query_groups": "model.preset",
