@@ -75,21 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def check_layout(hf_dir: str, tp: int, pp: int, precision, backend: str) -> None:
-    """hf-to-mcore's source and its --tp × --pp against the model, for the world the process
-    group will have (torchrun's WORLD_SIZE, else one process): ConfigError before any rank
-    joins it, the checks :func:`ray_ppu.hf.convert.to_mcore` makes after."""
-    from ray_ppu.hf.convert import PRECISION
-    from ray_ppu.inference import inference_config, open_source
-
-    source = open_source(hf_dir)
-    if source.kind != "hf":
-        raise ConfigError(f"{hf_dir} is not a Hugging Face model directory")
-    dtype = source.hf_config.get("torch_dtype") or source.hf_config.get("dtype") or "float32"
-    inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)), tp, pp,
-                     precision=precision or PRECISION.get(dtype, "fp32"), device=backend)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
@@ -97,14 +82,19 @@ def main(argv=None) -> int:
     try:
         if args.command == "hf-to-mcore":
             from ray_ppu.devices import resolve
-            from ray_ppu.hf.convert import to_mcore
-            from ray_ppu.parallel import process_group
+            from ray_ppu.hf.convert import conversion_plan, to_mcore
 
             try:
                 backend = resolve(args.device)
             except RuntimeError as err:  # ppu asked for where torch.cuda sees no device
                 raise ConfigError(str(err)) from None
-            check_layout(args.hf, args.tp, args.pp, args.precision, backend)
+            # Source and layout for the world the process group will have (torchrun's
+            # WORLD_SIZE, else one process): one error line before any rank joins it, and
+            # before Megatron-Core is imported (8 s a process)
+            conversion_plan(args.hf, int(os.environ.get("WORLD_SIZE", 1)), args.tp, args.pp,
+                            args.precision, backend)
+            from ray_ppu.parallel import process_group
+
             with process_group(backend):
                 import torch.distributed as dist
 

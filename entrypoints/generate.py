@@ -51,45 +51,57 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def prepare(args: argparse.Namespace) -> tuple:
+    """The checkpoint (format, model config), the tokenizer and prompt ids, and the layout
+    checked against the model: (source, tokenizer or None, prompt, backend, cfg, plan).
+
+    Megatron-Core is not imported yet (8 s a process): under torchrun every rank finds a bad
+    --tp in about a second, before any process group exists.
+    """
+    from ray_ppu import devices
+    from ray_ppu.data.tokenizer import load_tokenizer
+    from ray_ppu.inference_source import inference_config, open_source
+
+    source = open_source(args.checkpoint)
+    tokenizer_dir = args.tokenizer or source.hf_dir
+    tokenizer = None
+    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(tokenizer_dir)
+    if args.token_ids is not None:
+        prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
+    elif tokenizer is None:
+        raise ConfigError(f"no tokenizer.json for {source.path}: pass --tokenizer DIR or "
+                          f"--token-ids")
+    else:
+        prompt = tokenizer.encode(args.prompt)
+    if not prompt or max(prompt) >= source.model.vocab_size or min(prompt) < 0:
+        raise ConfigError(f"prompt token ids {prompt[:8]}…: expected 1 or more ids below "
+                          f"vocab_size {source.model.vocab_size}")
+    backend = devices.resolve(args.device)
+    precision = args.precision or ("bf16" if backend == "ppu" else "fp32")
+    # The layout against the model now, for the world the process group will have
+    # (torchrun's WORLD_SIZE, else one process): not on every rank after joining it.
+    cfg, plan = inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)), args.tp,
+                                 args.pp, precision=precision, device=backend)
+    return source, tokenizer, prompt, backend, cfg, plan
+
+
 def main(argv=None) -> int:
-    """1. Open the checkpoint (format, model config) and the tokenizer, and check the layout
-       against the model: errors before any process group or model exists.
+    """1. :func:`prepare`: errors before any process group or model exists.
     2. The process group (torchrun's, or one process), the model at TP × PP, its weights.
     3. Greedy decoding; rank 0 prints the continuation and dumps the logits.
     """
     args = parse_args(argv)
-    logging.getLogger("megatron.core").setLevel(logging.WARNING)
-    from ray_ppu import devices, inference, parallel
-    from ray_ppu.data.tokenizer import load_tokenizer
-
     try:
-        source = inference.open_source(args.checkpoint)
-        tokenizer_dir = args.tokenizer or source.hf_dir
-        tokenizer = None
-        if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
-            tokenizer = load_tokenizer(tokenizer_dir)
-        if args.token_ids is not None:
-            prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
-        elif tokenizer is None:
-            raise ConfigError(f"no tokenizer.json for {source.path}: pass --tokenizer DIR or "
-                              f"--token-ids")
-        else:
-            prompt = tokenizer.encode(args.prompt)
-        if not prompt or max(prompt) >= source.model.vocab_size or min(prompt) < 0:
-            raise ConfigError(f"prompt token ids {prompt[:8]}…: expected 1 or more ids below "
-                              f"vocab_size {source.model.vocab_size}")
-        backend = devices.resolve(args.device)
-        precision = args.precision or ("bf16" if backend == "ppu" else "fp32")
-        # The layout against the model now, for the world the process group will have
-        # (torchrun's WORLD_SIZE, else one process): not on every rank after joining it.
-        cfg, plan = inference.inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)),
-                                               args.tp, args.pp, precision=precision,
-                                               device=backend)
+        source, tokenizer, prompt, backend, cfg, plan = prepare(args)
     except (UserError, RuntimeError) as err:
         return report_before_group(err)
     stop = (tokenizer.eod,) if tokenizer is not None else ()
 
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
     import torch.distributed as dist
+
+    from ray_ppu import devices, inference, parallel  # Megatron-Core: after the checks
 
     with parallel.process_group(backend):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -4,106 +4,27 @@ directory or a ray_ppu (torch_dist) checkpoint, at any TP × PP on an initialise
 
 A sanity check after training, not a serving engine: every new token runs the whole sequence
 through Megatron's forward-only pipeline schedule again (no KV cache).
+
+What to run and at what layout (:class:`Source`, :func:`open_source`, :func:`inference_config`)
+lives in :mod:`ray_ppu.inference_source`, which imports no Megatron-Core (this module does, through
+``ray_ppu.parallel``), so the entry points check a user's layout first; re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Literal, Optional
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from ray_ppu import checkpoint, devices, parallel
-from ray_ppu.errors import ConfigError
-from ray_ppu.config.schema import (
-    ClusterConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    RunConfig,
-    TrainingConfig,
-)
-from ray_ppu.plan import Plan, build_plan
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.inference_source import Source, inference_config, open_source
+from ray_ppu.plan import Plan
 
-
-@dataclass(frozen=True)
-class Source:
-    """Weights to run: a Hugging Face directory or a complete ray_ppu checkpoint."""
-
-    path: Path
-    kind: Literal["hf", "mcore"]
-    model: ModelConfig
-    meta: Optional[checkpoint.Meta] = None
-    hf_config: Optional[dict] = None
-    """hf: the parsed config.json."""
-
-    @property
-    def hf_dir(self) -> Optional[Path]:
-        """The Hugging Face directory behind it (its tokenizer), if known and still there."""
-        if self.kind == "hf":
-            return self.path
-        source = self.meta.hf_source if self.meta else None
-        return Path(source) if source and Path(source).is_dir() else None
-
-
-def open_source(path: str | Path) -> Source:
-    """What ``path`` holds: a Hugging Face directory (config.json + safetensors, its tensors
-    checked against config.json) or a checkpoint (or a directory of them: the latest complete
-    one)."""
-    from ray_ppu.hf import config as hf_config
-    from ray_ppu.hf.files import INDEX_FILE, SINGLE_FILE
-
-    path = Path(path).expanduser().resolve()
-    if (path / hf_config.CONFIG_FILE).is_file() and any(
-            (path / f).is_file() for f in (SINGLE_FILE, INDEX_FILE)):
-        from ray_ppu.hf.weights import check_checkpoint
-
-        raw = hf_config.read(path)
-        model = hf_config.model_from_hf(raw, str(path / hf_config.CONFIG_FILE))
-        check_checkpoint(str(path), model)  # headers only: before any model is built
-        return Source(path, "hf", model, hf_config=raw)
-    meta = checkpoint.read_meta(path)
-    if meta is None:
-        found = checkpoint.latest(path)
-        if found is None:
-            raise ConfigError(f"{path}: neither a Hugging Face model directory (config.json + "
-                              f"safetensors) nor a complete ray_ppu checkpoint (or a directory "
-                              f"of them)")
-        path, meta = found
-    if meta.model is None:
-        raise ConfigError(f"{path} does not record its model config (saved by an older "
-                          f"ray_ppu): load it in a run (checkpoint.load) and save it again")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    model = ModelConfig(**{k: v for k, v in meta.model.items() if k in known})
-    return Source(path, "mcore", model, meta)
-
-
-def inference_config(model: ModelConfig, world_size: int, tp: int = 1, pp: int = 1,
-                     layers_per_virtual_stage: Optional[int] = None,
-                     precision: str = "fp32", device: str = "auto", ep: int = 1,
-                     etp: Optional[int] = None) -> tuple[RunConfig, Plan]:
-    """A RunConfig and Plan for forward passes of ``model`` at TP × PP (DP = the rest), a MoE
-    model's experts at EP × ETP (ETP None: TP)."""
-    cfg = RunConfig(
-        model=model,
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage,
-                                sequence_parallel=False, expert_model_parallel_size=ep,
-                                expert_tensor_parallel_size=etp),
-        # one sequence per DP replica (a replica beyond the first repeats the first's work)
-        training=TrainingConfig(micro_batch_size=1,
-                                global_batch_size=max(world_size // (tp * pp), 1),
-                                seq_length=model.max_position_embeddings, train_iters=1,
-                                eval_iters=0, precision=precision,
-                                use_distributed_optimizer=False),
-        cluster=ClusterConfig(num_workers=world_size, device=device),
-        data=DataConfig(data_path=["(inference: no data)"]),
-    )
-    return cfg, build_plan(cfg, forward_only=True)
+__all__ = ["Source", "built_model", "greedy", "inference_config", "load_weights", "open_source",
+           "prompt_logits"]
 
 
 @contextlib.contextmanager
@@ -117,7 +38,10 @@ def built_model(cfg: RunConfig, plan: Plan, backend: str,
     with devices.bound(backend, local_rank):
         parallel.initialize(plan, cfg.training.seed)
         try:
-            yield build_model(cfg, plan, backend, initialize=False, ddp=False)[0]
+            chunks = build_model(cfg, plan, backend, initialize=False, ddp=False)[0]
+            for chunk in chunks:  # no dropout; a MoE layer at TP > 1 trains only with SP
+                chunk.eval()
+            yield chunks
         finally:
             parallel.destroy()
 

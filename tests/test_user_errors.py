@@ -4,7 +4,8 @@ Two paths that used to print pages of traceback: a malformed JSON line in SFT da
 ``data.on_bad_record: fail`` (raised inside a Ray Data actor, it reached the driver as a
 ``RayTaskError`` whose text is the whole remote traceback), and an impossible TP / PP layout
 given to ``generate.py`` or ``convert_checkpoint.py hf-to-mcore`` under torchrun (every rank
-raised it after joining the process group). Real Ray, real torchrun, a real tiny checkpoint.
+raised it after joining the process group; now every rank finds it before importing
+Megatron-Core). Real Ray, real torchrun, a real tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -110,4 +111,34 @@ def test_generate_and_convert_under_torchrun_with_impossible_tp_are_one_error_li
                         "--out", str(out), "--tp", "2")
     _assert_one_error_line(_finished(generate), "num_query_groups 1 is not divisible by TP 2")
     _assert_one_error_line(_finished(convert), "num_query_groups 1 is not divisible by TP 2")
+    assert not out.exists()
+
+
+_CHECK_BEFORE_MEGATRON = """
+import json, sys
+hf, out = sys.argv[1:]
+sys.path.insert(0, {entrypoints!r})
+import convert_checkpoint, generate
+codes = [generate.main(["--checkpoint", hf, "--token-ids", "5,17,300", "--tp", "2"]),
+         convert_checkpoint.main(["hf-to-mcore", "--hf", hf, "--out", out, "--tp", "2"])]
+print(json.dumps({{"codes": codes,
+                  "megatron": sorted(m for m in sys.modules if m.split(".")[0] == "megatron")}}))
+"""
+
+
+def test_impossible_tp_is_found_before_megatron_core_is_imported(one_kv_head_model, tmp_path):
+    """Both entry points check the layout before importing Megatron-Core (8 s a process here),
+    so a user's impossible --tp is an error in about a second: one process that runs both with
+    torchrun's WORLD_SIZE and then lists the megatron modules it holds."""
+    out = tmp_path / "mcore"
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK_BEFORE_MEGATRON.format(entrypoints=str(REPO / "entrypoints")),
+         str(one_kv_head_model), str(out)],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"codes": [2, 2], "megatron": []}, \
+        proc.stdout[-3000:]
+    assert proc.stderr.count("num_query_groups 1 is not divisible by TP 2") == 2, \
+        proc.stderr[-3000:]
     assert not out.exists()

@@ -112,7 +112,7 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     3. config.json (the source model's own, when the run started from one), generation config
        and tokenizer files (from ``tokenizer``, else the source Hugging Face directory).
     """
-    from ray_ppu.inference import open_source
+    from ray_ppu.inference_source import open_source
 
     started = time.perf_counter()
     source = open_source(checkpoint_path)
