@@ -6,8 +6,9 @@ Per device of the most loaded pipeline stage:
 - parameters: its parameter count × 2 bytes (bf16 / fp16 / fp8 keep bf16 or fp16 weights; fp32: 4);
 - gradients: Megatron DDP's fp32 gradient buffers, 4 bytes per parameter;
 - optimizer: Adam's two fp32 moments plus the fp32 master weights of 16-bit runs (12 bytes per
-  parameter, 8 in fp32), divided over DP × CP by the distributed optimizer; the offloaded
-  fraction lives on the host instead;
+  parameter, 8 in fp32), divided over DP × CP by the distributed optimizer (a MoE model's
+  expert weights, split by EP × ETP, over expert-DP); the offloaded fraction lives on the host
+  instead;
 - activations: what autograd keeps per layer for one microbatch (the tensors each op saves for
   its backward, below), times the layers of the stage, times the microbatches the pipeline
   schedule has in flight on that stage, plus, with full recompute, one recompute unit rebuilt in
@@ -25,7 +26,7 @@ from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices.specs import SPECS
-from ray_ppu.plan.arithmetic import stage_parameters
+from ray_ppu.plan.arithmetic import expert_parameters_per_device, stage_parameters
 from ray_ppu.te_options import uses_transformer_engine
 
 GIB = 1024 ** 3
@@ -88,6 +89,8 @@ def layer_activation_bytes(cfg: RunConfig, plan, te: bool) -> dict[str, float]:
     # the output projection's input (q); SwiGLU keeps FC1's output (gate and up, 2f),
     # silu(gate) (f) and the product FC2 reads (f)
     projections = (q + 4 * f) * per_token
+    if m.is_moe:
+        projections = q * per_token + _routed_mlp_bytes(cfg, plan, s * b / norm_div)
     # core attention's inputs: q and k after RoPE, and v, a view of the QKV GEMM's output
     # (whose whole storage stays): 2q + 3k; with selective recompute that is all it keeps
     if mem.recompute == "selective":
@@ -100,6 +103,20 @@ def layer_activation_bytes(cfg: RunConfig, plan, te: bool) -> dict[str, float]:
         attention = 3 * q * per_token + heads * s * s * b * (4 + (e if e < 4 else 0))
     stored = norms_and_gemm_inputs + projections + attention
     return {"stored": stored, "input": s * b * h / norm_div * e}
+
+
+def _routed_mlp_bytes(cfg: RunConfig, plan, tokens: float) -> float:
+    """What a MoE layer's MLP keeps for backward on one device, ``tokens`` being its sequence
+    share: the all-to-all balances routed tokens over the EP ranks, so a device's experts see
+    top-k copies of as many tokens as it sent, on average. Per routed token: the permuted
+    input fc1 reads and the output before it is combined back (h each), and each expert's
+    SwiGLU (4 F' / ETP, as the dense MLP's 4 f); per token the router's fp32 softmax and
+    probabilities (2 × experts)."""
+    m = cfg.model
+    e = _element_bytes(cfg)
+    ffn = m.effective_moe_ffn_hidden_size / plan.expert_tensor_parallel_size
+    routed = tokens * m.moe_router_topk * (2 * m.hidden_size + 4 * ffn) * e
+    return routed + tokens * 2 * m.num_moe_experts * 4
 
 
 def _in_flight(plan) -> int:
@@ -162,16 +179,21 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
             mem.optimizer_offload)
         if offload is None:  # auto
             offload = offload_fraction(cfg, plan)
-    _, first, last = stage_parameters(cfg, plan.tensor_model_parallel_size,
-                                      plan.pipeline_model_parallel_size, plan.padded_vocab_size)
-    stages = {"only": first} if plan.pipeline_model_parallel_size == 1 else {"first": first, "last": last}
+    pp, ep, etp = (plan.pipeline_model_parallel_size, plan.expert_model_parallel_size,
+                   plan.expert_tensor_parallel_size)
+    _, first, last = stage_parameters(cfg, plan.tensor_model_parallel_size, pp,
+                                      plan.padded_vocab_size, ep, etp)
+    experts = expert_parameters_per_device(cfg, pp, ep, etp)
+    stages = {"only": first} if pp == 1 else {"first": first, "last": last}
     param_bytes = _element_bytes(cfg)
     optimizer_per_param = 8 + (4 if t.precision != "fp32" else 0)
-    shards = plan.data_parallel_size * plan.context_parallel_size if t.use_distributed_optimizer else 1
+    distributed = t.use_distributed_optimizer
+    shards = plan.data_parallel_size * plan.context_parallel_size if distributed else 1
+    expert_shards = plan.expert_data_parallel_size if distributed else 1
     best = None
     for stage, params in stages.items():
         per_chunk, in_flight, unit = _activation_bytes(cfg, plan, te, stage)
-        optimizer = params * optimizer_per_param / shards
+        optimizer = ((params - experts) / shards + experts / expert_shards) * optimizer_per_param
         snapshot = params * param_bytes + optimizer  # weights + main copies and Adam's shard
         activations = per_chunk * in_flight + unit
         total = params * (param_bytes + 4) + optimizer * (1 - offload) + activations

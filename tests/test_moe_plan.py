@@ -151,3 +151,31 @@ def test_transformer_config_routes_like_qwen3_moe():
     assert settings["moe_router_load_balancing_type"] == "none"
     dense = load(None, [*BASE, "model.preset=tiny"])
     assert "num_moe_experts" not in describe(dense, build_plan(dense), te=False)["TransformerConfig"]
+
+
+def test_memory_plan_splits_experts_by_ep_and_their_optimizer_by_expert_dp():
+    from ray_ppu.memory import GIB, memory_plan
+    from ray_ppu.plan.arithmetic import expert_parameters_per_device
+
+    plans = {}
+    for ep in (1, 8):
+        cfg = load(None, ["data.data_path=[corpus]", "training.train_iters=10",
+                          "model.preset=qwen3-30B-A3B", "cluster.num_workers=16",
+                          f"parallel.expert_model_parallel_size={ep}",
+                          "training.global_batch_size=256", "training.seq_length=4096"])
+        plan = build_plan(cfg)
+        plans[ep] = (plan, memory_plan(cfg, plan))
+        experts = expert_parameters_per_device(cfg, 1, ep, 1)
+        # 48 layers × 128 experts × 3 × 2048 × 768 expert weights, split by EP
+        assert experts == 48 * 128 * 3 * 2048 * 768 // ep
+        params, mp = plan.num_parameters_per_device, plans[ep][1]
+        assert mp.parameters_gib * GIB == pytest.approx(params * 2)  # bf16 weights
+        assert mp.gradients_gib * GIB == pytest.approx(params * 4)  # fp32 grad buffers
+        # Adam + fp32 main weights (12 bytes): the rest over DP 16, the experts over expert-DP
+        expected = ((params - experts) / 16 + experts / plan.expert_data_parallel_size) * 12
+        assert mp.optimizer_gib * GIB == pytest.approx(expected)
+    (one, one_mp), (eight, eight_mp) = plans[1], plans[8]
+    assert (one.expert_data_parallel_size, eight.expert_data_parallel_size) == (16, 2)
+    assert not one_mp.fits and eight_mp.fits  # 30B on every device does not fit 96 GB
+    # the routed tokens' activations do not depend on how the experts are laid out
+    assert one_mp.activations_gib == pytest.approx(eight_mp.activations_gib)

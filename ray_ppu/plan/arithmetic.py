@@ -62,6 +62,13 @@ def _layer_counts(m) -> tuple[int, int, int]:
     return attention + _mlp_multiplies(m, active=False), 0, replicated
 
 
+def expert_parameters_per_device(cfg: RunConfig, pp: int, ep: int, etp: int) -> int:
+    """A MoE model's expert weights on one device of a stage (EP × ETP split them); 0 dense.
+    The distributed optimizer shards these over expert-DP, the rest over DP."""
+    _, experts, _ = _layer_counts(cfg.model)
+    return (cfg.model.num_layers // pp) * experts // (ep * etp)
+
+
 def active_parameters(cfg: RunConfig, padded_vocab: int) -> int:
     """Parameters one token's forward pass multiplies with: the total, with each MoE layer's
     experts counted top-k times instead of num_moe_experts (Qwen3-30B-A3B: 3.3e9 of 30.5e9)."""
