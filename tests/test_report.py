@@ -30,9 +30,12 @@ RESTART_AFTER = 150  # the group fails after iteration 150 (and its checkpoint),
 RECOVERY_S = 40.0
 
 
-def write_run(out: Path) -> Path:
+def write_run(out: Path, moe: bool = False) -> Path:
     """An output directory as a run leaves it: 30 training windows, validation at 100 and 200,
-    a checkpoint at 150, a failure right after it and the restart from that checkpoint."""
+    a checkpoint at 150, a failure right after it and the restart from that checkpoint.
+    ``moe``: the training rows also carry a MoE model's two routing figures, both falling
+    toward 1 (balanced) as the routers learn; the busiest expert's share stays above the
+    balancing loss."""
     out.mkdir(parents=True, exist_ok=True)
     config = {
         "model": {"preset": "qwen2.5-0.5b", "num_layers": 24, "hidden_size": 896},
@@ -70,6 +73,9 @@ def write_run(out: Path) -> Path:
                      "mfu": 7.9e14 / step / 8 / 312e12, "elapsed_s": now - group_start,
                      "eta_s": (400 - i) * step, "restarts": int(i > RESTART_AFTER),
                      "world_size": 8, "data_parallel_size": 4, "time": now})
+        if moe:
+            rows[-1].update(moe_load_balancing_loss=1.0 + 0.5 * math.exp(-i / 80),
+                            moe_expert_load_max_over_mean=1.1 + 0.9 * math.exp(-i / 80))
         if i in (100, 200):
             now += 3.0
             rows.append({"iteration": i, "valid_lm_loss": rows[-1]["lm_loss"] + 0.2,
@@ -201,6 +207,31 @@ def test_report_renders_in_chromium(tmp_path):
     assert CORPUS in cells and "cosine" in cells and "52,428,800" in cells
     assert RUN_NAME in cells and "b" not in dom.tags  # shown as text, not bold markup
     assert any("ActorDiedError" in c for c in cells)  # the events table
+
+
+def test_moe_run_has_an_expert_routing_chart(tmp_path):
+    """Training rows with the moe_* keys add an "Expert routing" chart, last, with both
+    figures per iteration on one axis; the same run without them (dense) has none."""
+    dense = write_report(write_run(tmp_path / "dense")).read_text()
+    assert "Expert routing" not in dense and "load-balancing loss" not in dense
+    dom_text, log = render(write_report(write_run(tmp_path / "moe", moe=True)), tmp_path)
+    assert console_messages(log) == []
+    dom = Dom(dom_text)
+    assert dom.charts == 5
+    assert dom.text_of("figcaption") == ["Loss", "Throughput", "Model FLOPs utilization",
+                                         "Data wait", "Expert routing"]
+    # one line each, in the fifth chart, a point per logged iteration (the restart resumed at
+    # a checkpoint, so no iteration was logged twice)
+    [(chart, balancing)] = dom.polylines["load-balancing loss"]
+    [(busiest_chart, busiest)] = dom.polylines["busiest expert / mean"]
+    assert chart == busiest_chart == 5
+    assert len(balancing) == len(busiest) == len(ITERATIONS)
+    assert [x for x, _ in balancing] == [x for x, _ in busiest]
+    # both fall with the iterations (rise on screen), and the busiest expert's share, the
+    # larger figure at every iteration, is drawn above the balancing loss on the shared axis
+    for line in (balancing, busiest):
+        assert [y for _, y in line] == sorted(y for _, y in line)
+    assert all(b[1] < a[1] for a, b in zip(balancing, busiest))
 
 
 def test_console_errors_are_detected(tmp_path):
