@@ -70,7 +70,9 @@ def layout_of(plan) -> tuple:
     """What a snapshot's group must share with the group restoring it."""
     return (plan.world_size, plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
             plan.context_parallel_size, plan.data_parallel_size,
-            plan.virtual_pipeline_model_parallel_size or 1)
+            plan.virtual_pipeline_model_parallel_size or 1,
+            # a MoE model's experts: which ones, and which slice of each, a rank holds
+            plan.expert_model_parallel_size, plan.expert_tensor_parallel_size)
 
 
 def _optimizers(optimizer) -> list:
