@@ -50,7 +50,7 @@ def sft_overrides(files, tokenizer_dir, out, *extra):
     ]
 
 
-def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out):
+def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out, preset="tiny"):
     """One real Megatron GPTModel (world of 1): the summed token losses of 24 samples packed
     several per row, padded one per row, and packed but unmasked, microbatches of 2 rows."""
     from ray_ppu.data.sft import sft_rows
@@ -60,7 +60,7 @@ def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out):
     records = arithmetic_records(24, seed=3)
     cfg = load(None, sft_overrides(sft_files, tokenizer_dir, out, "data.packing=true",
                                    "cluster.num_workers=1", "training.eval_iters=0",
-                                   f"cluster.device={backend}"))
+                                   f"cluster.device={backend}", f"model.preset={preset}"))
     plan = build_plan(cfg)
     packed, packed_summary = sft_rows(records, tokenizer_dir, 128, packing=True)
     padded, _ = sft_rows(records, tokenizer_dir, 128, max_padding_length=128)
@@ -98,10 +98,13 @@ def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out):
     return how, losses
 
 
-def test_packed_rows_give_the_padded_losses(sft_files, qwen2_tokenizer_dir, tmp_path):
+# tiny-moe too: its routers send each token to experts by that token alone (no capacity
+# limit drops any), so only attention could mix samples
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_packed_rows_give_the_padded_losses(sft_files, qwen2_tokenizer_dir, tmp_path, preset):
     """CPU, local layer spec: the block-diagonal mask isolates the samples of a packed row."""
     how, (as_packed, as_padded, unmasked) = _packed_and_padded_losses(
-        "cpu", sft_files, qwen2_tokenizer_dir, tmp_path)
+        "cpu", sft_files, qwen2_tokenizer_dir, tmp_path, preset)
     assert how == "mask"
     assert as_packed == pytest.approx(as_padded, rel=1e-5)
     # A freshly initialised model attends almost uniformly, so leaking across samples moves
@@ -118,12 +121,14 @@ def _transformer_engine_device() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _transformer_engine_device(),
                     reason="needs a CUDA/PPU device with Transformer Engine")
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
 def test_thd_packed_rows_give_the_padded_losses_with_transformer_engine(
-        sft_files, qwen2_tokenizer_dir, tmp_path):
+        sft_files, qwen2_tokenizer_dir, tmp_path, preset):
     """PPU/GPU, Transformer Engine spec: the same through THD PackedSeqParams (two rows per
-    microbatch flattened into one sequence of 256 tokens)."""
+    microbatch flattened into one sequence of 256 tokens); tiny-moe's experts in TE's
+    grouped GEMM."""
     how, (as_packed, as_padded, unmasked) = _packed_and_padded_losses(
-        "ppu", sft_files, qwen2_tokenizer_dir, tmp_path)
+        "ppu", sft_files, qwen2_tokenizer_dir, tmp_path, preset)
     assert how == "thd"
     assert as_packed == pytest.approx(as_padded, rel=1e-4)
     assert abs(unmasked - as_padded) > 10 * abs(as_packed - as_padded) + 1e-3
