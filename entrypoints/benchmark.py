@@ -7,7 +7,8 @@
     python entrypoints/benchmark.py elastic [--dir DIR] [--reference] [--json FILE]
     python entrypoints/benchmark.py metrics [--rounds 4] [--iters 30] [key=value ...]
     python entrypoints/benchmark.py options [--dir DIR] [--corpus PREFIX]
-    python entrypoints/benchmark.py device [--dir DIR] [--iters 20] [--timeout 120]
+    python entrypoints/benchmark.py device [--dir DIR] [--iters 20] [--timeout 120] [--part all|options|moe]
+    python entrypoints/benchmark.py moe [--iters 10] [--json FILE] [--corpus PREFIX] [key=value ...]
     python entrypoints/benchmark.py hf-load [--sizes-gb 1 2 4] [--ranks 2] [--dir DIR]
 
 ``overhead``: the same tiny training run under Ray Train (a local Ray the run starts, and a job
@@ -35,6 +36,12 @@ optimizer, attention backend); a table of option, ran, loss matches (its referen
 losses at every iteration), iteration time, peak memory, TFLOP/s and MFU
 (``ray_ppu/tools/option_matrix.py``).
 
+``moe``: the tiny-moe preset (4 experts, top-2) on 2 CPU ranks at EP 1 (DP 2) and EP 2 (DP 2):
+median step time, tokens/s, the time per step in Megatron-Core's token dispatcher (permutation,
+all-to-all, unpermutation; forward and backward) and its share of the step, the EP2/EP1 ratios
+and whether the two runs' losses agree; ``device`` measures the same on GPUs with a bigger MoE
+and MFU (ray_ppu.tools.bench.moe).
+
 ``hf-load``: synthetic multi-GB Hugging Face checkpoints loaded with ``checkpoint.pretrained``'s
 code by --ranks CPU processes at TP = ranks and at PP = ranks: per-rank load time and peak host
 memory against the checkpoint size (``entrypoints/hf_benchmark.py``).
@@ -58,13 +65,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ray_ppu.tools.bench import (data_path, device, elastic, metrics_export,  # noqa: E402
-                                 options, overhead, recovery, sft)
+                                 moe, options, overhead, recovery, sft)
 from ray_ppu.tools.bench.common import subcommand_parser  # noqa: E402
 
 # In --help's order; each module has HELP, add_arguments(parser) and main(args).
 BENCHES = {"overhead": overhead, "data": data_path, "sft": sft, "elastic": elastic,
            "recovery": recovery, "metrics": metrics_export, "options": options,
-           "device": device}
+           "device": device, "moe": moe}
 # Each runs on a Ray of its own, as this script re-run with --child: main(args, program).
 SCENARIOS = ("elastic", "recovery")
 

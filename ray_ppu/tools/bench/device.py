@@ -1,10 +1,13 @@
 """``benchmark.py device``: the options only a GPU / PPU runs (fp8, TE attention kernels,
-activation / optimizer offload, CP 2), on every visible device.
+activation / optimizer offload, CP 2), on every visible device; then a MoE at EP 1 vs EP = the
+devices, with its token dispatcher's time and MFU.
 
-This is the prepared script others run on a lent GPU (< 8 minutes on one H200): its command
-line and its table are a contract, so they change only together with their readers. The
-matrix is :func:`ray_ppu.tools.option_matrix.device`; on a machine without CUDA it stops,
-saying so (tests/test_options.py checks the message).
+This is the prepared script others run on a lent GPU (< 8 minutes on one H200 for the options;
+the MoE part, two short runs of one launch, has not been timed on a GPU yet): its command line
+and its tables are a contract, so they change only together with their readers. ``--part``
+runs one of the two. The matrix is :func:`ray_ppu.tools.option_matrix.device`, the MoE part
+:func:`ray_ppu.tools.bench.moe.device`; on a machine without CUDA either stops, saying so
+(tests/test_options.py and tests/test_benchmark_moe.py check the messages).
 """
 
 from __future__ import annotations
@@ -13,19 +16,29 @@ import argparse
 
 from ray_ppu.tools.bench.common import add_corpus_argument, work_and_corpus
 
-HELP = ("GPU/PPU-only options (fp8, TE attention, activation offload, CP): ran, losses, time, "
-        "memory, MFU")
+HELP = ("GPU/PPU-only options (fp8, TE attention, activation offload, CP) and MoE EP 1 vs EP N: "
+        "ran, losses, time, memory, dispatcher time, MFU")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default="outputs/benchmark_device", help="runs and corpus")
     add_corpus_argument(parser)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--timeout", type=float, default=120, help="per option")
+    parser.add_argument("--timeout", type=float, default=120, help="per option or MoE run")
+    parser.add_argument("--part", choices=("all", "options", "moe"), default="all",
+                        help="the option matrix, the MoE EP comparison, or both")
 
 
 def main(args) -> dict:
     from ray_ppu.tools import option_matrix
+    from ray_ppu.tools.bench import moe
 
+    moe.require_cuda("benchmark.py device")  # before the corpus is built
     work, corpus = work_and_corpus(args)
-    return option_matrix.device(corpus, args.iters, work / "runs", args.timeout)
+    results = {}
+    if args.part in ("all", "options"):
+        results["options"] = option_matrix.device(corpus, args.iters, work / "runs", args.timeout)
+    if args.part in ("all", "moe"):
+        # one launch trains both runs: twice the per-run timeout, plus the start
+        results["moe"] = moe.device(corpus, args.iters, work / "moe", 2 * args.timeout + 120)
+    return results
