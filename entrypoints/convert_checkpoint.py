@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     to_mcore.add_argument("--out", required=True, help="where iter_0000000/ is written")
     to_mcore.add_argument("--tp", type=int, default=1, help="tensor parallel size (default 1)")
     to_mcore.add_argument("--pp", type=int, default=1, help="pipeline parallel size (default 1)")
+    to_mcore.add_argument("--ep", type=int, default=1,
+                          help="expert parallel size of a MoE model (default 1; each rank "
+                               "reads only its experts)")
     to_mcore.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
                           help="stored dtype (default: config.json's torch_dtype)")
     to_mcore.add_argument("--device", choices=["cpu", "ppu", "auto"], default="cpu",
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
             # WORLD_SIZE, else one process): one error line before any rank joins it, and
             # before Megatron-Core is imported (8 s a process)
             conversion_plan(args.hf, int(os.environ.get("WORLD_SIZE", 1)), args.tp, args.pp,
-                            args.precision, backend)
+                            args.precision, backend, args.ep)
             from ray_ppu.parallel import process_group
 
             with process_group(backend):
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
 
                 grouped = True  # a problem from here on may be one rank's own
                 summary = to_mcore(args.hf, args.out, args.tp, args.pp, args.precision,
-                                   backend)
+                                   backend, args.ep)
                 if dist.get_rank() != 0:
                     return 0
         else:

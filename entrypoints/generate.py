@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dump-logits", metavar="FILE", help="write the prompt's logits here")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallel size of a MoE model (each rank holds its experts)")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"],
                         help="compute dtype (default: fp32 on CPU, bf16 on a device)")
     parser.add_argument("--device", choices=["auto", "cpu", "ppu"], default="auto")
@@ -82,7 +84,8 @@ def prepare(args: argparse.Namespace) -> tuple:
     # The layout against the model now, for the world the process group will have
     # (torchrun's WORLD_SIZE, else one process): not on every rank after joining it.
     cfg, plan = inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)), args.tp,
-                                 args.pp, precision=precision, device=backend)
+                                 args.pp, precision=precision, device=backend, ep=args.ep,
+                                 etp=1 if args.ep > 1 else None)
     return source, tokenizer, prompt, backend, cfg, plan
 
 

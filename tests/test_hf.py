@@ -491,21 +491,30 @@ def test_converted_checkpoint_starts_a_finetune_of_the_same_model(launched):
 
 
 @pytest.mark.slow
-def test_generate_from_torch_dist_matches_transformers(hf_dirs, launched, tmp_path):
+# Qwen3-MoE: its TP 2 conversion generated at EP 2 under torchrun (each rank its 2 experts)
+@pytest.mark.parametrize("kind, launcher", [
+    ("llama", []),
+    ("qwen3_moe", ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]),
+])
+def test_generate_from_torch_dist_matches_transformers(hf_dirs, launched, tmp_path, kind,
+                                                       launcher):
     """generate.py on the converted checkpoint: transformers' greedy tokens and logits."""
     from transformers import AutoModelForCausalLM
 
     prompt = PROMPT[:5]
-    model = AutoModelForCausalLM.from_pretrained(hf_dirs["llama"]).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_dirs[kind]).eval()
     with torch.no_grad():
         expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
                                   min_new_tokens=6)[0, len(prompt):].tolist()
         expected_logits = model(torch.tensor([prompt])).logits[0]
     dump = tmp_path / "logits.json"
+    experts = ["--ep", "2"] if launcher else []
+    if launcher:
+        launcher = [*launcher[:-1], str(free_port("127.0.0.1"))]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "entrypoints" / "generate.py"), "--checkpoint",
-         str(launched / "mcore_llama"), "--token-ids", ",".join(map(str, prompt)),
-         "--max-new-tokens", "6", "--dump-logits", str(dump)],
+        [sys.executable, *launcher, str(REPO / "entrypoints" / "generate.py"), "--checkpoint",
+         str(launched / f"mcore_{kind}"), "--token-ids", ",".join(map(str, prompt)),
+         "--max-new-tokens", "6", "--dump-logits", str(dump), *experts],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

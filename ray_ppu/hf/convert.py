@@ -28,11 +28,12 @@ PRECISION = {hf_dtype_name(dtype): precision for precision, dtype in DTYPES.item
 
 
 def conversion_plan(hf_dir: str | Path, world_size: int, tp: int = 1, pp: int = 1,
-                    precision: Optional[str] = None,
-                    backend: str = "cpu") -> tuple[Source, str, RunConfig, Plan]:
+                    precision: Optional[str] = None, backend: str = "cpu",
+                    ep: int = 1) -> tuple[Source, str, RunConfig, Plan]:
     """hf-to-mcore's checks for a world of ``world_size``: the source (it must be a Hugging
     Face directory), the precision (config.json's torch_dtype unless given) and the TP × PP
-    layout against the model; ConfigError naming the problem.
+    layout (× EP for a MoE model's experts, each whole on its rank) against the model;
+    ConfigError naming the problem.
 
     Imports no Megatron-Core, so the entry point runs it before any rank joins the process
     group (a bad --tp is one error line in about a second); :func:`to_mcore` runs it again for
@@ -44,12 +45,12 @@ def conversion_plan(hf_dir: str | Path, world_size: int, tp: int = 1, pp: int = 
     dtype = source.hf_config.get("torch_dtype") or source.hf_config.get("dtype") or "float32"
     precision = precision or PRECISION.get(dtype, "fp32")
     cfg, plan = inference_config(source.model, world_size, tp, pp, precision=precision,
-                                 device=backend)
+                                 device=backend, ep=ep, etp=1 if ep > 1 else None)
     return source, precision, cfg, plan
 
 
 def to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
-             precision: Optional[str] = None, device: str = "cpu") -> dict:
+             precision: Optional[str] = None, device: str = "cpu", ep: int = 1) -> dict:
     """Convert; collective over the current process group. Returns a summary (rank 0's).
 
     1. :func:`conversion_plan` for this group: model config from config.json, precision,
@@ -65,12 +66,12 @@ def to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
     started = time.perf_counter()
     backend = devices.resolve(device)
     source, precision, cfg, plan = conversion_plan(hf_dir, dist.get_world_size(), tp, pp,
-                                                   precision, backend)
+                                                   precision, backend, ep)
     with built_model(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0))) as chunks:
         read = load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
         saver = checkpoint.Saver(out, plan, cfg, origin={"hf_config": source.hf_config,
                                                          "hf_source": str(source.path)})
         [(path, meta, _)] = saver.save(0, chunks, None, None)
-    return {"checkpoint": str(path), "precision": precision, "tp": tp, "pp": pp,
+    return {"checkpoint": str(path), "precision": precision, "tp": tp, "pp": pp, "ep": ep,
             "bytes_read_rank0": read["bytes_read"], "files": len(meta.files or {}),
             "seconds": time.perf_counter() - started}
