@@ -6,11 +6,15 @@ shared by the tests through module-scoped fixtures (each costs tens of seconds),
 iterations of the tiny model as in test_training.py, saving every 4:
 
 * ``uninterrupted``: DP 2, start to end: the reference losses and checkpoints.
-* ``interrupted``: the same run, but one Ray Train worker process is SIGKILLed right after the
-  checkpoint at iteration 4 is complete. A real interruption rather than "run 4 iterations,
-  then 8": it exercises Ray Train's own restart (FailureConfig), the restarted workers starting
-  their streams from their own resume point, and a schedule that never changed length (a run re-launched
-  with another train_iters keeps the checkpoint's LR schedule, as Megatron does).
+* ``interrupted``: the same run, snapshotting in memory every iteration, interrupted twice.
+  One Ray Train worker process is SIGKILLed after iteration 5 (the checkpoint at 4 complete):
+  the restarted group restores the newest in-memory snapshot. Once it has logged an iteration,
+  the snapshot keepers are killed (every in-memory copy gone), then a worker again: the next
+  group falls back to the disk checkpoint at 4. Real interruptions rather than "run 4
+  iterations, then 8": they exercise Ray Train's own restart (FailureConfig), the restarted
+  workers starting their streams from their own resume point, and a schedule that never
+  changed length (a run re-launched with another train_iters keeps the checkpoint's LR
+  schedule, as Megatron does).
 * ``resharded``: DP 1, started with ``checkpoint.load`` from a directory holding the
   interrupted run's DP-2 checkpoint at iteration 4 and a newer, incomplete one (no meta file).
 * ``finetuned``: ``checkpoint.finetune=true`` from the uninterrupted run's final checkpoint.
@@ -294,21 +298,70 @@ def kill_a_worker_after(meta_file: Path, killed: list):
     return kill_a_worker_when(meta_file.exists, killed)
 
 
+def _rows_after_restart(metrics_file: Path, restarts: int) -> list[dict]:
+    """Training rows rank 0 logged after ``restarts`` restarts (they carry the count)."""
+    try:
+        rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+    return [r for r in rows if "lm_loss" in r and r.get("restarts") == restarts]
+
+
+def _kill_keepers() -> int:
+    """Kill every snapshot keeper (this test session's Ray): all in-memory copies are gone."""
+    import ray
+
+    from ray_ppu.snapshot_keeper import NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE]
+    for name in names:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    return len(names)
+
+
+def interrupt_twice(metrics_file: Path, record_file: Path, killed: list, seen: dict):
+    """A ``launch_while`` action: kill a worker after iteration 5 (a memory restore follows);
+    keep the restarted group's stream-start record; once that group has logged an iteration,
+    kill the keepers and then a worker (a disk restore follows)."""
+    first = kill_a_worker_at(metrics_file, 5, killed)
+
+    def action(stop: threading.Event) -> None:
+        first(stop)
+        while not stop.is_set():
+            if not seen.get("record") and record_file.exists():
+                record = json.loads(record_file.read_text())
+                if (record.get("checkpoint") or "").startswith("memory:"):  # None: scratch
+                    seen["record"] = record  # the next group overwrites it
+            if seen.get("record") and _rows_after_restart(metrics_file, 1):
+                seen["keepers"] = _kill_keepers()
+                workers = _train_workers()
+                if workers:
+                    workers[0].kill()
+                    killed.append(workers[0].pid)
+                return
+            time.sleep(0.01)
+
+    return action
+
+
 @pytest.fixture(scope="module")
 def interrupted(ray_cluster, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("interrupted")
-    # the disk path: no in-memory snapshots (test_killed_worker_restores_from_memory has them)
-    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=1",
-                        "checkpoint.memory_interval=0")
+    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=2",
+                        "checkpoint.memory_interval=1")
     killed: list = []
-    final, _ = launch_while(cfg, plan, kill_a_worker_after(
-        checkpoint.save_root(cfg) / "iter_0000004" / checkpoint.META_FILE, killed))
-    assert killed, "no worker was killed: the interruption did not happen"
+    seen: dict = {}
+    record_file = checkpoint.save_root(cfg) / checkpoint.STREAM_START_FILE
+    final, _ = launch_while(cfg, plan, interrupt_twice(out / "metrics.jsonl", record_file,
+                                                       killed, seen))
+    assert len(killed) == 2 and seen.get("keepers"), (killed, seen)
     rows = _rows(out)
-    # Where the restarted group's streams began, as its rank 0 recorded it (the first start
-    # recorded iteration 0).
-    record = json.loads((checkpoint.save_root(cfg) / checkpoint.STREAM_START_FILE).read_text())
-    return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows), "record": record}
+    # Where the last group's streams began, as its rank 0 recorded it (the first start
+    # recorded iteration 0, the memory restore its own iteration).
+    record = json.loads(record_file.read_text())
+    return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows), "record": record,
+            "memory_record": seen["record"]}
 
 
 @pytest.mark.slow
@@ -361,32 +414,23 @@ def test_the_snapshot_interval_is_chosen_once_for_all_ranks(uninterrupted):
 
 
 @pytest.mark.slow
-def test_killed_worker_restores_from_memory(ray_cluster, corpus, tmp_path, uninterrupted):
-    """A worker killed after iteration 5 with no disk checkpoint yet (saves only at the end):
-    the restarted group restores the newest in-memory snapshot from the keepers (no
-    checkpoint file to read), loses at most one iteration, and trains on exactly the samples
-    and to the losses of the uninterrupted run."""
-    out = tmp_path / "memory"
-    cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=1",
-                        "checkpoint.save_interval=null", "checkpoint.memory_interval=1")
-    killed: list = []
-    final, _ = launch_while(cfg, plan, kill_a_worker_at(out / "metrics.jsonl", 5, killed))
-    assert killed, "no worker was killed: the interruption did not happen"
-    record = json.loads((checkpoint.save_root(cfg) / checkpoint.STREAM_START_FILE).read_text())
-    # 5, or 4 when the kill came before iteration 5's snapshot reached the keepers
+def test_killed_worker_restores_from_memory(uninterrupted, interrupted):
+    """The first interruption (a worker killed after iteration 5): the restarted group
+    restores the newest in-memory snapshot from the keepers, newer than the disk checkpoint at
+    4 (or at 4 when the kill came before iteration 5's snapshot reached them, still from
+    memory), loses at most one iteration and trains to the uninterrupted run's losses."""
+    record = interrupted["memory_record"]
     assert record["checkpoint"].startswith("memory:") and record["iteration"] >= 4, record
-    # the only checkpoint ever written is the one at the end: the restore read none
-    assert [p.name for p in checkpoint.checkpoint_dirs(checkpoint.save_root(cfg))] == [
-        "iter_0000008"]
-    rows = _rows(out)
-    (restart,) = [r for r in rows if r.get("event") == "restart"]
-    assert restart["restored_from"] == "memory" and restart["iterations_lost"] <= 1, restart
-    assert final["iteration"] == ITERS and final["restarts"] == 1
-    ref, got = uninterrupted["curve"], _curve(rows)
-    for key in range(record["iteration"] + 1, ITERS + 1):
-        assert got[key] == pytest.approx(ref[key], abs=1e-6), key
-    expected = {i: list(range((i - 1) * 4, i * 4)) for i in range(1, ITERS + 1)}
-    assert read_sample_log(cfg.output.dir) == expected
+    first = [r for r in interrupted["rows"] if r.get("event") == "restart"][0]
+    assert first["restored_from"] == "memory" and first["iterations_lost"] <= 1, first
+    assert first["iteration"] == record["iteration"]
+    assert first["resumed_from"].startswith("memory:")
+    # the restored group's own rows (before the second interruption) are the reference's
+    resumed = [r for r in interrupted["rows"] if "lm_loss" in r and r.get("restarts") == 1]
+    assert resumed and min(r["iteration"] for r in resumed) == record["iteration"] + 1
+    for row in resumed:
+        assert row["lm_loss"] == pytest.approx(uninterrupted["curve"][row["iteration"]],
+                                               abs=1e-6), row["iteration"]
 
 
 @pytest.mark.slow
@@ -401,20 +445,25 @@ def test_interrupted_run_trains_on_exactly_the_uninterrupted_samples(uninterrupt
 @pytest.mark.slow
 def test_restart_is_reported(uninterrupted, interrupted):
     restarts = [r for r in interrupted["rows"] if r.get("event") == "restart"]
-    assert len(restarts) == 1, restarts
-    row = restarts[0]
-    assert (row["restarts"], row["iteration"], row["resumed_from"]) == (1, 4, "iter_0000004")
-    # The killed worker's death, as Ray Train saw it, names its rank and the kind of failure.
-    assert row["cause"].startswith(f"rank {row['failed_ranks'][0]}: "), row
-    # Iterations logged after the checkpoint at 4 and before the failure were trained again.
-    before = [r["iteration"] for r in interrupted["rows"]
-              if "lm_loss" in r and r["time"] <= row["time"] and r["iteration"] > 4]
-    assert row["iterations_lost"] == (max(before) - 4 if before else 0)
-    assert 0 < row["recovery_s"] < 300
-    # Every training row after it counts the restart; the run's result too; none before.
-    later = [r["restarts"] for r in interrupted["rows"] if "lm_loss" in r and r["time"] > row["time"]]
-    assert later and set(later) == {1}
-    assert interrupted["final"]["restarts"] == 1 and uninterrupted["final"]["restarts"] == 0
+    assert [r["restarts"] for r in restarts] == [1, 2], restarts
+    memory, disk = restarts
+    assert (memory["restored_from"], disk["restored_from"]) == ("memory", "disk")
+    # the second found no in-memory copy (the keepers were killed): the checkpoint at 4
+    assert (disk["iteration"], disk["resumed_from"]) == (4, "iter_0000004")
+    for row in restarts:
+        # The killed worker's death, as Ray Train saw it, names its rank and the kind of failure.
+        assert row["cause"].startswith(f"rank {row['failed_ranks'][0]}: "), row
+        # Iterations logged after the restored one and before the failure were trained again.
+        before = [r["iteration"] for r in interrupted["rows"]
+                  if "lm_loss" in r and r["time"] <= row["time"] and r["iteration"] > row["iteration"]]
+        assert row["iterations_lost"] == (max(before) - row["iteration"] if before else 0)
+        assert 0 < row["recovery_s"] < 300
+    # Every training row after a restart counts it; the run's result too; none before.
+    for count, row in ((1, memory), (2, disk)):
+        later = [r["restarts"] for r in interrupted["rows"] if "lm_loss" in r
+                 and r["time"] > row["time"] and (count == 2 or r["time"] < disk["time"])]
+        assert later and set(later) == {count}, (count, later)
+    assert interrupted["final"]["restarts"] == 2 and uninterrupted["final"]["restarts"] == 0
     assert not [r for r in uninterrupted["rows"] if r.get("event") == "restart"]
 
 
