@@ -592,6 +592,24 @@ def test_a_checkpoint_of_another_head_width_or_norm_is_refused(tmp_path):
     assert f"model.kv_channels: checkpoint {cfg.model.hidden_size // cfg.model.num_attention_heads}, this run 32" in str(err.value)
 
 
+def test_a_moe_checkpoint_resumes_only_at_its_expert_layout(tmp_path):
+    """The distributed optimizer's state of a MoE run is cut by EP × ETP too: a full resume at
+    another expert layout is refused before anything loads, naming both layouts."""
+    from ray_ppu.checkpoint.resume import ResumePoint
+
+    cfg = _cfg(tmp_path, "model.preset=tiny-moe", "training.global_batch_size=4")
+    plan = build_plan(cfg)
+    path = tmp_path / "iter_0000008"
+    path.mkdir()
+    meta = checkpoint.Meta(8, 32, 2, 1, 1, 1, 2, 4, "h", checkpoint.OPTIMIZER_FORMAT, 0.0,
+                           expert_model_parallel_size=2, model=dataclasses.asdict(cfg.model))
+    (path / checkpoint.META_FILE).write_text(json.dumps(dataclasses.asdict(meta)))
+    with pytest.raises(checkpoint.CheckpointError) as err:
+        checkpoint.load(ResumePoint(str(path), meta), [], None, None, plan, cfg)
+    assert ("was saved at TP 1 × PP 1, experts EP 2 × ETP 1, this run is TP 1 × PP 1: the "
+            "optimizer state (dp_reshardable) reshards across DP only") in str(err.value)
+
+
 def _measured_losses(paths: list, corpus, out: Path) -> list[float]:
     """Each checkpoint's loss on global batch 0, in one separate process (the __main__ below)."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),

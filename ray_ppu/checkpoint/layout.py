@@ -48,6 +48,10 @@ class Meta:
     optimizer_format: str
     saved_at: float
     format_version: int = FORMAT_VERSION
+    expert_model_parallel_size: int = 1
+    """EP of a MoE run (1: dense, or a checkpoint from before MoE)."""
+    expert_tensor_parallel_size: int = 1
+    """ETP of a MoE run."""
     files: Optional[dict] = None
     """Every file the save wrote (name → bytes): a load first checks they are all there."""
     weights_only: bool = False

@@ -22,6 +22,11 @@ from ray_ppu.errors import CheckpointError
 from ray_ppu.util.wrappers import unwrap
 
 
+def _layout_text(tp: int, pp: int, ep: int, etp: int) -> str:
+    """"TP 2 × PP 1", and a MoE run's experts: "TP 2 × PP 1, experts EP 4 × ETP 1"."""
+    return f"TP {tp} × PP {pp}" + (f", experts EP {ep} × ETP {etp}" if ep * etp > 1 else "")
+
+
 def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunConfig) -> int:
     """Load ``resume`` into the freshly built model (and optimizer, schedule, RNG unless
     ``weights_only``); collective. Returns the iteration training continues at.
@@ -39,8 +44,11 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
     if meta is None:
         raise CheckpointError(f"{resume.path}: {META_FILE} disappeared")
     _check_model(resume, cfg)
-    same_layout = (meta.tensor_model_parallel_size == plan.tensor_model_parallel_size
-                   and meta.pipeline_model_parallel_size == plan.pipeline_model_parallel_size)
+    saved = (meta.tensor_model_parallel_size, meta.pipeline_model_parallel_size,
+             meta.expert_model_parallel_size, meta.expert_tensor_parallel_size)
+    ours = (plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size,
+            plan.expert_model_parallel_size, plan.expert_tensor_parallel_size)
+    same_layout = saved == ours
     if not resume.weights_only:
         if meta.global_batch_size != plan.global_batch_size:
             raise CheckpointError(
@@ -49,11 +57,10 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
                 f"(use checkpoint.finetune=true to take the weights only)")
         if not same_layout:
             raise CheckpointError(
-                f"{resume.path} was saved at TP {meta.tensor_model_parallel_size} × PP "
-                f"{meta.pipeline_model_parallel_size}, this run is TP "
-                f"{plan.tensor_model_parallel_size} × PP {plan.pipeline_model_parallel_size}: "
-                f"the optimizer state ({meta.optimizer_format}) reshards across DP only "
-                f"(use checkpoint.finetune=true to take the weights only)")
+                f"{resume.path} was saved at {_layout_text(*saved)}, this run is "
+                f"{_layout_text(*ours)}: the optimizer state ({meta.optimizer_format}) "
+                f"reshards across DP only (use checkpoint.finetune=true to take the weights "
+                f"only)")
         if meta.config_hash != config_hash(cfg):
             _warn_once(f"{resume.path} was saved by a run with another model/data/batch "
                        f"configuration (hash {meta.config_hash} != {config_hash(cfg)})")

@@ -220,6 +220,8 @@ class Saver:
             pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
             context_parallel_size=plan.context_parallel_size,
             data_parallel_size=plan.data_parallel_size,
+            expert_model_parallel_size=plan.expert_model_parallel_size,
+            expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
             global_batch_size=plan.global_batch_size,
             config_hash=config_hash(self.cfg),
             optimizer_format=OPTIMIZER_FORMAT,
