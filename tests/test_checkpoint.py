@@ -282,14 +282,20 @@ def kill_a_worker_when(ready, killed: list, delay_s: float = 0.0):
         while not stop.is_set():
             if ready():
                 time.sleep(delay_s)
-                workers = _train_workers()
-                if workers:
-                    workers[0].kill()
-                    killed.append(workers[0].pid)
+                if _kill_one_worker(killed):
                     return
             time.sleep(0.01)
 
     return action
+
+
+def _kill_one_worker(killed: list) -> bool:
+    """SIGKILL one of this session's training workers (its pid into ``killed``), if any."""
+    workers = _train_workers()
+    if workers:
+        workers[0].kill()
+        killed.append(workers[0].pid)
+    return bool(workers)
 
 
 def kill_a_worker_after(meta_file: Path, killed: list):
@@ -335,10 +341,7 @@ def interrupt_twice(metrics_file: Path, record_file: Path, killed: list, seen: d
                     seen["record"] = record  # the next group overwrites it
             if seen.get("record") and _rows_after_restart(metrics_file, 1):
                 seen["keepers"] = _kill_keepers()
-                workers = _train_workers()
-                if workers:
-                    workers[0].kill()
-                    killed.append(workers[0].pid)
+                _kill_one_worker(killed)
                 return
             time.sleep(0.01)
 

@@ -136,6 +136,20 @@ def launched(hf_dirs, tmp_path_factory):
 # config.json ↔ ModelConfig (no model)
 # ---------------------------------------------------------------------------------------------
 
+# Qwen/Qwen3-30B-A3B config.json's MoE and architecture keys
+_QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 2048,
+                  "intermediate_size": 6144, "moe_intermediate_size": 768,
+                  "num_hidden_layers": 48, "num_attention_heads": 32,
+                  "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+                  "num_experts_per_tok": 8, "norm_topk_prob": True,
+                  "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [], "output_router_logits": False,
+                  "vocab_size": 151936, "max_position_embeddings": 40960,
+                  "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06,
+                  "tie_word_embeddings": False, "attention_bias": False,
+                  "use_sliding_window": False, "sliding_window": None,
+                  "max_window_layers": 48}
+
 # The architecture fields of the published config.json files (transformers-4 spelling).
 PUBLISHED = {
     # Qwen/Qwen2.5-0.5B config.json
@@ -172,31 +186,12 @@ PUBLISHED = {
                   "max_position_embeddings": 40960, "rope_theta": 1000000, "rope_scaling": None,
                   "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "attention_bias": False,
                   "use_sliding_window": False, "sliding_window": None, "max_window_layers": 64},
-    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json (their MoE and architecture keys)
-    "qwen3-30B-A3B": {"model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 2048,
-                      "intermediate_size": 6144, "moe_intermediate_size": 768,
-                      "num_hidden_layers": 48, "num_attention_heads": 32,
-                      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                      "num_experts_per_tok": 8, "norm_topk_prob": True,
-                      "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1,
-                      "mlp_only_layers": [], "output_router_logits": False,
-                      "vocab_size": 151936, "max_position_embeddings": 40960,
-                      "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06,
-                      "tie_word_embeddings": False, "attention_bias": False,
-                      "use_sliding_window": False, "sliding_window": None,
-                      "max_window_layers": 48},
-    "qwen3-235B-A22B": {"model_type": "qwen3_moe", "hidden_act": "silu", "hidden_size": 4096,
-                        "intermediate_size": 12288, "moe_intermediate_size": 1536,
-                        "num_hidden_layers": 94, "num_attention_heads": 64,
-                        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
-                        "num_experts_per_tok": 8, "norm_topk_prob": True,
-                        "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1,
-                        "mlp_only_layers": [], "output_router_logits": False,
-                        "vocab_size": 151936, "max_position_embeddings": 40960,
-                        "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06,
-                        "tie_word_embeddings": False, "attention_bias": False,
-                        "use_sliding_window": False, "sliding_window": None,
-                        "max_window_layers": 94},
+    # Qwen/Qwen3-30B-A3B config.json (its MoE and architecture keys)
+    "qwen3-30B-A3B": _QWEN3_30B_A3B,
+    # Qwen/Qwen3-235B-A22B config.json: the same keys, these values apart
+    "qwen3-235B-A22B": {**_QWEN3_30B_A3B, "hidden_size": 4096, "intermediate_size": 12288,
+                        "moe_intermediate_size": 1536, "num_hidden_layers": 94,
+                        "num_attention_heads": 64, "max_window_layers": 94},
 }
 
 
