@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,22 +68,41 @@ def train_on_ray(corpus, out, *extra):
     return losses(out)
 
 
-def train_with_torchrun(corpus, out, nproc, *extra):
-    """The same loop under plain torchrun (entrypoints/torchrun_pretrain.py), no Ray."""
+def train_with_torchrun(corpus, out, nproc, *extra, variants=None):
+    """The same loop under plain torchrun (entrypoints/torchrun_pretrain.py), no Ray.
+    ``variants``: {name: overrides} trained one after another in the one launch (each into
+    ``out/name``); returns {name: losses}."""
+    script = [str(REPO / "entrypoints" / "torchrun_pretrain.py")]
+    if variants is not None:
+        spec = Path(out) / "variants.json"
+        spec.parent.mkdir(parents=True, exist_ok=True)
+        spec.write_text(json.dumps(variants))
+        script += ["--variants", str(spec)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           str(REPO / "entrypoints" / "torchrun_pretrain.py"),
-           *overrides(corpus, out, f"cluster.num_workers={nproc}", *extra)]
+           *script, *overrides(corpus, out, f"cluster.num_workers={nproc}", *extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if variants is not None:
+        return {name: losses(Path(out) / name) for name in variants}
     return losses(out)
 
 
 @pytest.fixture(scope="module")
-def baseline(corpus, tmp_path_factory):
-    """TP 1, PP 1, DP 1: one process, four microbatches per iteration, under plain torchrun:
-    the reference every Ray Train run here is held to (so the Ray runs also show that torchrun
-    and Ray Train train alike; torchrun at TP 2: tests/test_options.py's one torchrun launch)."""
-    return train_with_torchrun(corpus, tmp_path_factory.mktemp("tp1dp1"), 1)
+def references(corpus, tmp_path_factory):
+    """One process under plain torchrun, one launch: the tiny model and tiny-moe (4 experts,
+    top 2), each at TP 1, PP 1, DP 1 (EP 1), four microbatches per iteration."""
+    out = tmp_path_factory.mktemp("tp1dp1")
+    curves = train_with_torchrun(corpus, out, 1, variants={
+        "dense": [], "moe": ["model.preset=tiny-moe"]})
+    return curves, out
+
+
+@pytest.fixture(scope="module")
+def baseline(references):
+    """The dense reference every Ray Train run here is held to (so the Ray runs also show that
+    torchrun and Ray Train train alike; torchrun at TP 2: tests/test_options.py's one torchrun
+    launch)."""
+    return references[0]["dense"]
 
 
 def assert_falls(curve):
@@ -109,10 +129,10 @@ def moe_rows(out) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def moe_baseline(corpus, tmp_path_factory):
-    """tiny-moe (4 experts, top 2) in one process under plain torchrun: EP 1, TP 1, DP 1."""
-    out = tmp_path_factory.mktemp("moe_ep1")
-    return train_with_torchrun(corpus, out, 1, "model.preset=tiny-moe"), moe_rows(out)
+def moe_baseline(references):
+    """tiny-moe in one process under plain torchrun: EP 1, TP 1, DP 1."""
+    curves, out = references
+    return curves["moe"], moe_rows(out / "moe")
 
 
 def test_moe_at_tp2_ep2_on_ray_trains_like_one_process(moe_baseline, corpus, tmp_path):
