@@ -229,17 +229,42 @@ def test_qwen3_config_json_gives_head_dim_qk_norms_and_no_bias(hf_dirs):
     assert wrong == ["model.qk_layernorm=False but model_type (qwen3: q_norm / k_norm) gives True"]
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"attention_bias": True}, "attention_bias=True (only False is supported)"),
-    ({"use_sliding_window": True}, "use_sliding_window=True (only False is supported)"),
-    ({"mlp_bias": True}, "mlp_bias=True (only False is supported)"),
+@pytest.mark.parametrize("published, change, message", [
+    ("qwen3-0.6B", {"attention_bias": True}, "attention_bias=True (only False is supported)"),
+    ("qwen3-0.6B", {"use_sliding_window": True},
+     "use_sliding_window=True (only False is supported)"),
+    ("qwen3-0.6B", {"mlp_bias": True}, "mlp_bias=True (only False is supported)"),
+    # Qwen3-MoE: every layer routed, as published
+    ("qwen3-30B-A3B", {"decoder_sparse_step": 2}, "decoder_sparse_step=2 (only 1 is supported)"),
+    ("qwen3-30B-A3B", {"mlp_only_layers": [0, 3]},
+     "mlp_only_layers=[0, 3] (ray_ppu builds every layer as a MoE layer: only [] is supported)"),
+    ("qwen3-30B-A3B", {"attention_bias": True}, "attention_bias=True (only False is supported)"),
 ])
-def test_unsupported_qwen3_config_json_is_named(change, message):
+def test_unsupported_qwen3_config_json_is_named(published, change, message):
     from ray_ppu.hf.config import model_from_hf
 
     with pytest.raises(ConfigError) as err:
-        model_from_hf({**PUBLISHED["qwen3-0.6B"], **change}, "/m/config.json")
+        model_from_hf({**PUBLISHED[published], **change}, "/m/config.json")
     assert str(err.value).startswith("/m/config.json: ") and message in str(err.value)
+
+
+def _assert_transformers_builds_it(model_dir: Path, config: dict, tmp_path: Path,
+                                   architecture: str) -> None:
+    """``config`` in place of ``model_dir``'s config.json: transformers builds
+    ``architecture`` from it, whose logits on the same weights are the reference's."""
+    from transformers import AutoModelForCausalLM
+
+    from ray_ppu.hf.config import CONFIG_FILE
+
+    fresh = tmp_path / "fresh"
+    shutil.copytree(model_dir, fresh)
+    (fresh / CONFIG_FILE).write_text(json.dumps(config))
+    loaded = AutoModelForCausalLM.from_pretrained(fresh).eval()
+    assert type(loaded).__name__ == architecture
+    with torch.no_grad():
+        logits = loaded(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(logits, torch.load(model_dir / "reference_logits.pt"),
+                               rtol=0, atol=1e-6)
 
 
 def test_fresh_qwen3_config_json_is_what_transformers_loads(hf_dirs, tmp_path):
@@ -247,49 +272,23 @@ def test_fresh_qwen3_config_json_is_what_transformers_loads(hf_dirs, tmp_path):
     origin (no source config.json to copy): transformers builds the same Qwen3ForCausalLM from
     it, whose logits on the same weights are the reference's. A model with both QKV bias and
     q / k norms has no Hugging Face architecture and is refused."""
-    from transformers import AutoModelForCausalLM
-
-    from ray_ppu.hf.config import CONFIG_FILE, model_from_hf, read, to_hf
+    from ray_ppu.hf.config import model_from_hf, read, to_hf
 
     model = model_from_hf(read(hf_dirs["qwen3"]))
     config = to_hf(model, "float32")
     assert (config["architectures"], config["model_type"], config["head_dim"]) == \
         (["Qwen3ForCausalLM"], "qwen3", 32)
     assert config["attention_bias"] is False and config["tie_word_embeddings"] is True
-    fresh = tmp_path / "fresh"
-    shutil.copytree(hf_dirs["qwen3"], fresh)
-    (fresh / CONFIG_FILE).write_text(json.dumps(config))
-    loaded = AutoModelForCausalLM.from_pretrained(fresh).eval()
-    assert type(loaded).__name__ == "Qwen3ForCausalLM"
-    with torch.no_grad():
-        logits = loaded(torch.tensor([PROMPT])).logits[0]
-    torch.testing.assert_close(logits, torch.load(hf_dirs["qwen3"] / "reference_logits.pt"),
-                               rtol=0, atol=1e-6)
+    _assert_transformers_builds_it(hf_dirs["qwen3"], config, tmp_path, "Qwen3ForCausalLM")
     with pytest.raises(ConfigError, match="qk_layernorm and add_qkv_bias has no Hugging Face"):
         to_hf(model.with_(add_qkv_bias=True), "float32")
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"decoder_sparse_step": 2}, "decoder_sparse_step=2 (only 1 is supported)"),
-    ({"mlp_only_layers": [0, 3]}, "mlp_only_layers=[0, 3] (ray_ppu builds every layer as a MoE "
-                                  "layer: only [] is supported)"),
-    ({"attention_bias": True}, "attention_bias=True (only False is supported)"),
-])
-def test_unsupported_qwen3_moe_config_json_is_named(change, message):
-    from ray_ppu.hf.config import model_from_hf
-
-    with pytest.raises(ConfigError) as err:
-        model_from_hf({**PUBLISHED["qwen3-30B-A3B"], **change}, "/m/config.json")
-    assert str(err.value).startswith("/m/config.json: ") and message in str(err.value)
 
 
 def test_qwen3_moe_config_json_both_spellings_and_a_fresh_export(hf_dirs, tmp_path):
     """transformers 5 writes num_experts as num_local_experts (and rope_parameters); both are
     read. A fresh export (no source config.json) is a Qwen3MoeForCausalLM config that
     transformers builds the reference's model from: the same logits on the same weights."""
-    from transformers import AutoModelForCausalLM
-
-    from ray_ppu.hf.config import CONFIG_FILE, mismatches, model_from_hf, read, to_hf
+    from ray_ppu.hf.config import mismatches, model_from_hf, read, to_hf
 
     raw = read(hf_dirs["qwen3_moe"])
     assert "num_local_experts" in raw and "num_experts" not in raw  # transformers 5 wrote it
@@ -303,15 +302,8 @@ def test_qwen3_moe_config_json_both_spellings_and_a_fresh_export(hf_dirs, tmp_pa
     config = to_hf(model, "float32")
     assert (config["architectures"], config["num_experts"], config["moe_intermediate_size"]) == (
         ["Qwen3MoeForCausalLM"], 4, 48)
-    fresh = tmp_path / "fresh"
-    shutil.copytree(hf_dirs["qwen3_moe"], fresh)
-    (fresh / CONFIG_FILE).write_text(json.dumps(config))
-    loaded = AutoModelForCausalLM.from_pretrained(fresh).eval()
-    assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
-    with torch.no_grad():
-        logits = loaded(torch.tensor([PROMPT])).logits[0]
-    torch.testing.assert_close(logits, torch.load(hf_dirs["qwen3_moe"] / "reference_logits.pt"),
-                               rtol=0, atol=1e-6)
+    _assert_transformers_builds_it(hf_dirs["qwen3_moe"], config, tmp_path,
+                                   "Qwen3MoeForCausalLM")
     with pytest.raises(ConfigError, match="a MoE model without qk_layernorm"):
         to_hf(model.with_(qk_layernorm=False), "float32")
 
