@@ -28,7 +28,6 @@ from ray_ppu import checkpoint, devices  # noqa: E402
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.data import idxmap, inprocess  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
-from ray_ppu.data.sampler import valid_steps  # noqa: E402
 from ray_ppu.report import write_report  # noqa: E402
 from ray_ppu.output import absolute_paths, prepare_output  # noqa: E402
 from ray_ppu.train.rank import train_rank  # noqa: E402
@@ -78,13 +77,7 @@ def train(cfg, backend) -> dict:
     idxmap.datasets(spec)
     startup = {"index": time.perf_counter() - started}  # the start: line, as under Ray
 
-    coords = plan.dims.coordinates(rank)
-    reads = any(r == rank for r, _ in plan.dims.data_ranks())
-    rank_args = (spec, coords["dp"], plan.data_parallel_size, plan.global_batch_size,
-                 plan.micro_batch_size)
-    batches = inprocess.microbatches(*rank_args, 0, plan.train_iters) if reads else None
-    valid = (inprocess.microbatches(*rank_args, 0, valid_steps(plan), "valid")
-             if reads and plan.eval_iters else None)
+    batches, valid = inprocess.rank_streams(spec, plan, rank)
     final = train_rank(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0)), batches, valid,
                        resume=_weights_to_load(cfg), startup=startup)
     if rank == 0 and cfg.output.report:

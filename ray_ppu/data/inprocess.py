@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from ray_ppu.data import idxmap
-from ray_ppu.data.sampler import rank_sample_ids
+from ray_ppu.data.sampler import rank_sample_ids, valid_steps
 
 
 def microbatches(spec: idxmap.SampleSpec, dp_rank: int, dp_size: int, global_batch_size: int,
@@ -22,3 +22,17 @@ def microbatches(spec: idxmap.SampleSpec, dp_rank: int, dp_size: int, global_bat
                               micro_batch_size)
         for first in range(0, len(ids), micro_batch_size):
             yield idxmap.read(spec, ids[first:first + micro_batch_size], split)
+
+
+def rank_streams(spec: idxmap.SampleSpec, plan, rank: int) -> tuple:
+    """Global rank ``rank``'s (training, validation) microbatch streams of ``plan``, read in
+    this process from the start (None for a rank that reads no data, or no validation); for the
+    runs outside Ray Train (torchrun, the benchmarks' ranks). The spec's indices must be built
+    (:func:`ray_ppu.data.idxmap.datasets`, a collective) before the first read."""
+    if not any(r == rank for r, _ in plan.dims.data_ranks()):
+        return None, None
+    args = (spec, plan.dims.coordinates(rank)["dp"], plan.data_parallel_size,
+            plan.global_batch_size, plan.micro_batch_size)
+    train = microbatches(*args, 0, plan.train_iters)
+    valid = microbatches(*args, 0, valid_steps(plan), "valid") if plan.eval_iters else None
+    return train, valid

@@ -60,12 +60,7 @@ def _batches(cfg, plan):
     spec = idxmap.spec_for(cfg, plan)
     idxmap.check(spec)
     idxmap.datasets(spec)  # collective: rank 0 builds the index cache, then all load it
-    rank = dist.get_rank()
-    if not any(r == rank for r, _ in plan.dims.data_ranks()):
-        return None
-    return inprocess.microbatches(spec, plan.dims.coordinates(rank)["dp"],
-                                  plan.data_parallel_size, plan.global_batch_size,
-                                  plan.micro_batch_size, 0, plan.train_iters)
+    return inprocess.rank_streams(spec, plan, dist.get_rank())[0]
 
 
 def train_timed(cfg, backend) -> dict:
