@@ -168,10 +168,11 @@ def train_worker(payload: dict) -> dict:
 
 def _memory_point(cfg: RunConfig, plan: Plan, token: str,
                   disk: Optional[checkpoint.ResumePoint]) -> Optional[snapshot.MemoryPoint]:
-    """The newest complete in-memory snapshot of this group's layout, at or after the disk
-    checkpoint ``disk``, or None. Rank 0 asks the launch's keepers and decides
-    (:func:`ray_ppu.snapshot_keeper.newest_complete`); every rank takes its answer and starts
-    fetching its own copy (its node's keeper first) while the model is built."""
+    """The newest complete in-memory snapshots this group can restore — its own layout's, or
+    a resized group's it reshards — at or after the disk checkpoint ``disk``, or None. Rank 0
+    asks the launch's keepers and decides (:func:`ray_ppu.snapshot_keeper.newest_restorable`);
+    every rank takes its answer. At the same layout each rank starts fetching its own copy
+    (its node's keeper first) while the model is built."""
     layout = snapshot.layout_of(plan)
     rank = dist.get_rank()
 
@@ -183,27 +184,51 @@ def _memory_point(cfg: RunConfig, plan: Plan, token: str,
                 indexes[node_id] = ray.get(keeper.index.remote(), timeout=30)
             except Exception:  # its node is going: its copies are not reachable
                 pass
-        best = snapshot_keeper.newest_complete(indexes, plan.world_size, layout,
-                                               not_before=disk.iteration if disk else 0)
+        best = snapshot_keeper.newest_restorable(indexes, layout,
+                                                 not_before=disk.iteration if disk else 0)
         if best is None and any(indexes.values()):
             log.info("no complete in-memory snapshot for this group (layout %s, at or after "
                      "iteration %d) in %d keeper(s): restoring from %s", layout,
                      disk.iteration if disk else 0, len(indexes), disk.path if disk else "scratch")
+        elif best is not None and best.layout != layout:
+            log.info("restoring the in-memory snapshots of iteration %d of a group of %d (DP %d) "
+                     "into this one of %d (DP %d), resharding the optimizer across DP",
+                     best.iteration, best.layout[0], best.layout[4], layout[0], layout[4])
         return best
 
-    best = snapshot.agree(propose, dist.new_group(backend="gloo"))
+    best: Optional[snapshot_keeper.Found] = snapshot.agree(propose, dist.new_group(backend="gloo"))
     if best is None:
         return None
-    iteration, sources = best
+    here = ray.get_runtime_context().get_node_id()
+    handles = snapshot_keeper.keepers(token, sorted({n for held in best.holders.values()
+                                                     for n in held}))
+
+    def request(old_rank: int):
+        held = [n for n in best.holders[old_rank] if n in handles]
+        source = here if here in held else held[0]
+        ref = handles[source].get.remote(old_rank, best.iteration)
+        ray.wait([ref], timeout=0, fetch_local=True)  # start pulling it here now
+        return ref
+
+    same = best.layout == layout
     fetch = _no_fetch
     if rank < plan.world_size:  # a spare restores nothing
-        here = ray.get_runtime_context().get_node_id()
-        source = here if here in sources[rank] else sources[rank][0]
-        ref = snapshot_keeper.keepers(token, [source])[source].get.remote(rank, iteration)
-        ray.wait([ref], timeout=0, fetch_local=True)  # start pulling it here now
-        fetch = lambda: ray.get(ref)  # noqa: E731 - the transfer runs meanwhile
-    nodes = tuple(sorted({n for held in sources.values() for n in held}))
-    return snapshot.MemoryPoint(iteration, nodes, fetch, origin=checkpoint.origin(cfg, disk))
+        # the transfers run while the model is built: this rank's own snapshot, or (resharding)
+        # those of the old ranks at its (PP, TP) place in Megatron-Core's default rank order
+        # (TP fastest, PP slowest); restore fetches any other it turns out to need
+        refs = {r: request(r) for r in ([rank] if same else _same_place(rank, layout, best))}
+        fetch = lambda old_rank: ray.get(refs.get(old_rank) or request(old_rank))  # noqa: E731
+    return snapshot.MemoryPoint(best.iteration, tuple(sorted(handles)), fetch,
+                                sources=None if same else best.coords,
+                                origin=checkpoint.origin(cfg, disk))
+
+
+def _same_place(rank: int, layout: tuple, best: snapshot_keeper.Found) -> list[int]:
+    """The old group's ranks at this rank's (PP, TP) place: TP = rank mod TP, PP = rank over
+    the ranks of one stage (``layout``: ray_ppu.snapshot.layout_of's)."""
+    world, tp, pp = layout[:3]
+    place = (rank % tp, rank // (world // pp))
+    return [r for r in best.holders if (r % tp, r // (best.layout[0] // pp)) == place]
 
 
 def _keepers(cfg: RunConfig, token: str) -> dict:
@@ -214,7 +239,7 @@ def _keepers(cfg: RunConfig, token: str) -> dict:
         cfg.cluster.resource_name)])
 
 
-def _no_fetch() -> bytes:
+def _no_fetch(old_rank: int) -> bytes:
     raise RuntimeError("a spare worker restores no snapshot")
 
 
@@ -229,9 +254,10 @@ def _snapshotter(cfg: RunConfig, plan: Plan, token: str,
     targets = [found[here]] + ([found[peer]] if peer else [])
     rank, layout = dist.get_rank(), snapshot.layout_of(plan)
 
-    def send(iteration: int, blob: bytes) -> None:
+    def send(iteration: int, shards: tuple, blob: bytes) -> None:
         ref = ray.put(blob)  # once; each keeper copies it into its own memory
-        ray.get([k.put.remote(rank, iteration, layout, len(blob), ref) for k in targets])
+        ray.get([k.put.remote(rank, iteration, layout, shards, len(blob), ref)
+                 for k in targets])
 
     return snapshot.Snapshotter(send, cfg.checkpoint.memory_interval, with_cuda=backend == "ppu",
                                 cpu_device=backend == "cpu",

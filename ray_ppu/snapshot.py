@@ -9,9 +9,11 @@ position follows from the iteration (the streams start there, as after a disk ch
 
 Why per rank and not Megatron's sharded checkpoint format: a snapshot is taken every
 iteration, and Megatron's save planning alone costs 0.3–6 s at the tiny preset; a per-rank
-copy is a memcpy. The price: a snapshot restores only a group of the same layout (world, TP,
-PP, CP, DP, virtual PP) — an elastically resized group restores from disk, which reshards
-across DP, and the log says so.
+copy is a memcpy. A group of the same layout (world, TP, PP, CP, DP, virtual PP, EP, ETP)
+loads each rank's own snapshot as it is; an elastically resized one (another world and DP, the
+same model shards) assembles each rank's optimizer ranges from the old ranks' snapshots
+(:mod:`ray_ppu.snapshot_reshard`: every snapshot records which parameter range each optimizer
+position holds, and the rank's coordinates).
 
 Cost on the training thread: the copy of the state (``blocking_s``). Serializing it and
 sending it to the two keepers happens in a background thread, at most one snapshot in
@@ -38,6 +40,8 @@ import torch.distributed as dist
 
 from ray_ppu import checkpoint
 from ray_ppu.checkpoint.rng import capture_rng, restore_rng
+from ray_ppu.snapshot_reshard import (coords, param_keys, reshardable, restore_resharded,
+                                      shard_ranges)
 from ray_ppu.util.wrappers import unwrap
 
 log = logging.getLogger("ray_ppu")
@@ -55,8 +59,12 @@ class MemoryPoint:
     iteration: int
     nodes: tuple
     """The nodes whose keepers this rank's group reads from."""
-    fetch: Callable[[], bytes] = field(compare=False, repr=False)
-    """This rank's snapshot (the transfer starts when the point is made)."""
+    fetch: Callable[[int], bytes] = field(compare=False, repr=False)
+    """The snapshot of a rank of the group that took them (this rank's own transfer starts
+    when the point is made, when the layout is the same)."""
+    sources: Optional[dict] = field(default=None, compare=False, repr=False)
+    """None: the same layout, each rank loads its own. Else ``{old rank: coordinates}`` of the
+    old group, whose snapshots this group reshards (:mod:`ray_ppu.snapshot_reshard`)."""
     origin: dict = field(default_factory=dict, compare=False)
     """Where the run's weights came from (the checkpoint meta's hf fields), as on disk."""
     weights_only: bool = False
@@ -100,6 +108,7 @@ def capture(iteration: int, model: list, optimizer, scheduler, with_cuda: bool) 
     the distributed optimizer) are not copied twice: the weights restore them.
     """
     weights = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
+    keys = param_keys(model)
     optimizers = []
     for opt in _optimizers(optimizer):
         inner = opt.optimizer
@@ -110,8 +119,12 @@ def capture(iteration: int, model: list, optimizer, scheduler, with_cuda: bool) 
                       for group in inner.param_groups for p in group["params"]],
             "inner": _copy(inner.state_dict()),
             "grad_scaler": _copy(scaler.state_dict()) if scaler is not None else None,
+            # which parameter range each position holds: a group of another DP size reshards
+            "ranges": shard_ranges(opt, keys) if reshardable(opt) else None,
         })
     return {"iteration": iteration,
+            "coords": tuple(coords()),
+            "reshardable": all(o["ranges"] is not None for o in optimizers),
             "model": [_copy(unwrap(chunk).state_dict()) for chunk in model],
             "optimizers": optimizers,
             "scheduler": _copy(scheduler.state_dict()),
@@ -127,7 +140,11 @@ def serialize(state: dict) -> bytes:
 def restore(point: MemoryPoint, model: list, optimizer, scheduler) -> int:
     """Load this rank's snapshot of ``point`` into the freshly built model, optimizer and
     schedule (and the RNG); returns the iteration training continues at."""
-    state = torch.load(io.BytesIO(point.fetch()), map_location="cpu", weights_only=False)
+    if point.sources is not None:
+        return restore_resharded(point.iteration, point.sources, point.fetch, model, optimizer,
+                                 scheduler, _optimizers(optimizer))
+    state = torch.load(io.BytesIO(point.fetch(dist.get_rank())), map_location="cpu",
+                       weights_only=False)
     if state["iteration"] != point.iteration:
         raise checkpoint.CheckpointError(f"the {point.path} snapshot holds iteration "
                                          f"{state['iteration']}, not {point.iteration}")
@@ -157,10 +174,11 @@ def agree(propose: Callable[[], Optional[tuple]], group) -> Optional[tuple]:
 
 class Snapshotter:
     """After each iteration: take this rank's snapshot when due and send it, in a background
-    thread, to ``send(iteration, blob)`` (the keepers). ``interval``: None = choose (module
+    thread, to ``send(iteration, shards, blob)`` (the keepers; ``shards``: the rank's
+    coordinates and whether its snapshot reshards, for the keepers' index). ``interval``: None = choose (module
     docstring); ``group``: a gloo group over the training ranks, for that choice."""
 
-    def __init__(self, send: Callable[[int, bytes], None], interval: Optional[int],
+    def __init__(self, send: Callable[[int, tuple, bytes], None], interval: Optional[int],
                  with_cuda: bool, cpu_device: bool, group, replica: bool) -> None:
         self.send, self.interval, self.with_cuda = send, interval, with_cuda
         self.cpu_device, self.group, self.replica = cpu_device, group, replica
@@ -195,7 +213,7 @@ class Snapshotter:
 
     def _send(self, iteration: int, state: dict) -> tuple[float, float]:
         started, cpu = time.perf_counter(), time.thread_time()
-        self.send(iteration, serialize(state))
+        self.send(iteration, (state["coords"], state["reshardable"]), serialize(state))
         self.sent += 1
         return time.perf_counter() - started, time.thread_time() - cpu
 

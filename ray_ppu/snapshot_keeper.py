@@ -11,10 +11,12 @@ node goes with it, which is why every snapshot also goes to the keeper of anothe
 (:func:`replica_of`).
 
 What a keeper holds: per world rank, the newest :data:`KEEP` snapshots it received, each with
-the group layout it was taken in and its length. A snapshot counts only if it arrived whole
-(its length checked) — one cut off by its sender's death never enters. :func:`newest_complete`
-is THE decision which snapshot a restarted group can use; rank 0 makes it and broadcasts it
-(``ray_ppu.snapshot``), so every rank loads the same one.
+the group layout it was taken in, the rank's coordinates in that group, whether it reshards
+(``ray_ppu.snapshot_reshard``) and its length. A snapshot counts only if it arrived whole (its
+length checked) — one cut off by its sender's death never enters. :func:`newest_restorable` is
+THE decision which snapshots a restarted group uses — its own layout's, or a resized group's
+of the same model shards; rank 0 makes it and broadcasts it (``ray_ppu.snapshot``), so every
+rank loads the same one.
 
 Imports: Ray and the standard library only (no torch: a keeper holds bytes, and its process
 stays ~120 MB plus what it holds).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import sys
+from dataclasses import dataclass
 from typing import Optional
 
 import ray
@@ -42,22 +45,26 @@ class _Keeper:
         # rank → OrderedDict(iteration → (layout, blob)), oldest first
         self._held: dict[int, collections.OrderedDict] = {}
 
-    def put(self, rank: int, iteration: int, layout: tuple, nbytes: int, blob: bytes) -> int:
-        """Hold ``blob``, rank ``rank``'s snapshot after ``iteration`` in group ``layout``;
-        drops that rank's older ones past :data:`KEEP`. Returns the bytes now held."""
+    def put(self, rank: int, iteration: int, layout: tuple, shards: tuple, nbytes: int,
+            blob: bytes) -> int:
+        """Hold ``blob``, rank ``rank``'s snapshot after ``iteration`` in group ``layout``
+        (``shards``: its coordinates there and whether it reshards); drops that rank's older
+        ones past :data:`KEEP`. Returns the bytes now held."""
         if len(blob) != nbytes:  # cannot happen through Ray, but a short copy is never kept
             raise ValueError(f"snapshot of rank {rank} at iteration {iteration}: {len(blob)} "
                              f"bytes arrived of {nbytes}")
         held = self._held.setdefault(rank, collections.OrderedDict())
-        held[iteration] = (tuple(layout), blob)
+        coords, reshardable = shards
+        held[iteration] = ({"layout": tuple(layout), "coords": tuple(coords),
+                            "reshardable": bool(reshardable)}, blob)
         held.move_to_end(iteration)
         while len(held) > KEEP:
             held.popitem(last=False)
         return self.nbytes()
 
     def index(self) -> dict:
-        """``{rank: {iteration: layout}}`` of everything held."""
-        return {rank: {it: layout for it, (layout, _) in held.items()}
+        """``{rank: {iteration: {"layout", "coords", "reshardable"}}}`` of everything held."""
+        return {rank: {it: entry for it, (entry, _) in held.items()}
                 for rank, held in self._held.items()}
 
     def get(self, rank: int, iteration: int) -> bytes:
@@ -107,22 +114,54 @@ def replica_of(node_id: str, node_ids: list[str]) -> Optional[str]:
     return ring[(ring.index(node_id) + 1) % len(ring)]
 
 
-def newest_complete(indexes: dict, world_size: int, layout: tuple,
-                    not_before: int = 0) -> Optional[tuple[int, dict]]:
-    """The newest iteration ``>= not_before`` whose snapshot every rank ``0..world_size-1`` of
-    a group of ``layout`` has in some keeper: ``(iteration, {rank: [node_id, …]})``, the
-    keepers holding each rank's copy (a rank reads its own node's when it is there), or None.
+# Positions in ray_ppu.snapshot.layout_of: world, TP, PP, CP, DP, VP, EP, ETP. Snapshots of a
+# group of another layout restore a group when all but the world (0) and DP (4) are the same.
+MODEL_SHARDS = (1, 2, 3, 5, 6, 7)
+
+
+def reshards(old_layout: tuple, new_layout: tuple) -> bool:
+    """Whether the snapshots of a group of ``old_layout`` can restore one of ``new_layout``
+    (``ray_ppu.snapshot_reshard``): the same model shards, another world and DP size."""
+    return all(old_layout[i] == new_layout[i] for i in MODEL_SHARDS)
+
+
+@dataclass(frozen=True)
+class Found:
+    """The snapshots a restarted group restores from."""
+
+    iteration: int
+    layout: tuple
+    """The layout of the group that took them: the restarted group's own, or (resharded) a
+    resized one's."""
+    holders: dict
+    """``{rank of that group: [node_id, …]}``: the keepers holding each rank's copy."""
+    coords: dict
+    """``{rank of that group: its coordinates}`` (``ray_ppu.snapshot_reshard.Coords``)."""
+
+
+def newest_restorable(indexes: dict, layout: tuple, not_before: int = 0) -> Optional[Found]:
+    """The newest iteration ``>= not_before`` at which some group's snapshots are complete —
+    every rank ``0..world-1`` of that group in some keeper — and restore a group of
+    ``layout``: its own layout's, or a group's with the same model shards whose snapshots all
+    reshard. At one iteration the same layout wins (no resharding). None if there is none.
 
     ``indexes``: ``{node_id: keeper.index()}`` of the keepers that answered.
     """
-    where: dict[int, dict[int, list]] = {}  # iteration → rank → nodes holding it
+    # (iteration, layout) → rank → (nodes holding it, entry)
+    where: dict[tuple, dict[int, tuple[list, dict]]] = {}
     for node_id, index in indexes.items():
         for rank, held in index.items():
-            for iteration, their_layout in held.items():
-                if tuple(their_layout) == tuple(layout) and iteration >= not_before:
-                    where.setdefault(iteration, {}).setdefault(rank, []).append(node_id)
-    for iteration in sorted(where, reverse=True):
-        ranks = where[iteration]
-        if all(r in ranks for r in range(world_size)):
-            return iteration, {r: sorted(ranks[r]) for r in range(world_size)}
+            for iteration, entry in held.items():
+                theirs = tuple(entry["layout"])
+                if iteration >= not_before and (theirs == tuple(layout) or (
+                        entry["reshardable"] and reshards(theirs, layout))):
+                    nodes, _ = where.setdefault((iteration, theirs), {}).setdefault(
+                        rank, ([], entry))
+                    nodes.append(node_id)
+    own = tuple(layout)
+    for iteration, theirs in sorted(where, key=lambda k: (k[0], k[1] == own), reverse=True):
+        ranks = where[(iteration, theirs)]
+        if all(r in ranks for r in range(theirs[0])):
+            return Found(iteration, theirs, {r: sorted(ranks[r][0]) for r in range(theirs[0])},
+                         {r: tuple(ranks[r][1]["coords"]) for r in range(theirs[0])})
     return None

@@ -6,7 +6,8 @@ subprocess: ``tests/faults/scenarios.py recovery`` / ``elastic``, each with its 
 * node loss: a PPU node hosting a worker is removed after the checkpoint at 4; Ray Train
   restarts the group on a spare node, which resumes exactly (losses equal to 1e-6).
 * elastic: num_workers (2, 4) at TP 2 starts on 3 nodes (DP 1 and a spare worker), grows to
-  4 when a node joins, shrinks back when one is lost; same samples, same losses (2e-4).
+  4 when a node joins, shrinks back when one is lost, each resized group restoring the
+  previous one's in-memory snapshots resharded across DP; same samples, same losses (2e-4).
 
 On the session's single-node cluster: a worker SIGKILLed in the middle of a save, and a
 checkpoint disk (a tmpfs) that fills up. Every run must finish on exactly the uninterrupted
@@ -145,6 +146,13 @@ def test_elastic_group_shrinks_and_grows(elastic_run):
     restarts = [r for r in rows if r.get("event") == "restart"]
     assert len(restarts) == 1 and restarts[0]["time"] > events["removed"], restarts
     assert final["restarts"] == 1
+    # Both resized groups restored the previous group's in-memory snapshots, resharded across
+    # DP (1 → 2 → 1), not a checkpoint: memory:<nodes> is where their state came from.
+    starts = [r for r in rows if r.get("event") == "start"]
+    assert [r["resumed_from"] is None for r in starts] == [True, False], starts
+    assert starts[1]["resumed_from"].startswith("memory:"), starts
+    assert restarts[0]["resumed_from"].startswith("memory:"), restarts
+    assert restarts[0]["restored_from"] == "memory", restarts
     # The same samples as the fixed run, by id, and the same losses (DP/TP summation order).
     expected = {i: list(range((i - 1) * GBS, i * GBS)) for i in range(1, 13)}
     assert read_sample_log(res["dir"]) == read_sample_log(res["reference_dir"]) == expected

@@ -164,7 +164,7 @@ class _RankDuties:
             self.writer.write(metrics)
             if "lm_loss" in metrics and self.startup is not None and not self.failures:
                 _log_startup(self.writer, metrics["iteration"], self.startup, self.timeline,
-                             self.batches)
+                             self.batches, self.resume)
                 self.startup = None  # once: the start row follows the first training row
         if self.on_metrics is not None:  # every rank: its own throughput, memory, data wait
             self.on_metrics(metrics)
@@ -271,11 +271,13 @@ def _load_state(cfg: RunConfig, plan: Plan, resume, start_iteration: int, model:
 
 
 def _log_startup(writer: MetricsWriter, iteration: int, startup: dict, timeline: dict,
-                 batches) -> None:
+                 batches, resume) -> None:
     """The ``start`` row and its ``start:`` line: each start-up phase once, in the order they
-    ran (the first step includes the wait for the first batch)."""
+    ran (the first step includes the wait for the first batch), and where the state came from
+    (``resumed_from``: a checkpoint's name, ``memory:<nodes>``, or None from scratch)."""
     phases = {**startup,
               "model": timeline["model_ready"] - timeline["entered"],
               "first batch": getattr(batches, "first_wait_s", None) or 0.0,
               "first step": timeline["first_step_done"] - timeline["model_ready"]}
-    writer.write({"event": "start", "iteration": iteration, "phases_s": phases})
+    writer.write({"event": "start", "iteration": iteration,
+                  "resumed_from": Path(resume.path).name if resume else None, "phases_s": phases})
