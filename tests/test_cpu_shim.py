@@ -38,6 +38,25 @@ def test_tensor_type_answers_with_cuda_names(mode):
     assert converted.dtype == torch.float32 and converted.device.type == "cpu"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_matmuls_accumulate_in_fp32_and_keep_their_dtype(mode, dtype):
+    # the output layer's shapes at the tiny preset: 32 tokens, hidden 64, a 4,096-token slice
+    # of the vocabulary; forward, then both gradients through autograd
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(4096, 64, generator=g).to(dtype).requires_grad_()
+    for product in (torch.matmul(x, w.t()), x @ w.t(), torch.nn.functional.linear(x, w),
+                    x.mm(w.t())):
+        assert product.dtype == dtype
+        assert torch.equal(product, (x.detach().float() @ w.detach().float().t()).to(dtype))
+    grad = torch.randn(32, 4096, generator=g).to(dtype)
+    torch.nn.functional.linear(x, w).backward(grad)
+    assert x.grad.dtype == w.grad.dtype == dtype
+    assert torch.equal(x.grad, (grad.float() @ w.detach().float()).to(dtype))
+    # mixed or full-precision operands go to torch as they are
+    assert torch.matmul(x.detach().float(), w.detach().float().t()).dtype == torch.float32
+
+
 def test_pin_memory_is_a_no_op(mode):
     t = torch.zeros(3)
     assert t.pin_memory() is t
