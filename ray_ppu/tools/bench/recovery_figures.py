@@ -37,7 +37,7 @@ def report(res: dict, lines: list[tuple[float, str]], start: float, hard: bool,
     if "removed" not in res["events"]:
         raise SystemExit("the node was never removed: the run ended before the checkpoint at "
                          f"iteration {LOSS_AFTER} was complete")
-    t_loss = res["events"]["removed"]
+    t_loss = _loss_time(res["events"])
     loads = [(_asctime(m[1]), m[2], float(m[3]), int(m[4]))
              for _, l in lines if (m := _LOADED.search(l))]
     load = next((x for x in loads if x[0] > t_loss), None)
@@ -55,10 +55,16 @@ def report(res: dict, lines: list[tuple[float, str]], start: float, hard: bool,
     return res
 
 
+def _loss_time(events: dict) -> float:
+    """When the node started going: the remove_node call (its processes get their signal at
+    once; Ray Train can see the failure before the call returns)."""
+    return events.get("loss_start", events["removed"])
+
+
 def _timings(res: dict, lines: list[tuple[float, str]], load) -> dict:
     """Loss → detection → group restart → load → first step, and the iterations lost."""
     ev = res["events"]
-    t_loss = ev["removed"]
+    t_loss = _loss_time(ev)
     rows = metrics_rows(Path(res["dir"]))
     train = [r for r in rows if "lm_loss" in r]
     before = [r for r in train if r["time"] <= t_loss]
