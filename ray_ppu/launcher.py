@@ -195,6 +195,8 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             signal.signal(signal.SIGTERM, previous)
         for actor in owned:
             ray.kill(actor)
+        if ray.is_initialized() and cfg.checkpoint.memory_interval != 0:  # late nodes' keepers
+            snapshot_keeper.stop_all(token, [n["NodeID"] for n in ray.nodes() if n["Alive"]])
         if started:
             shutdown()
 

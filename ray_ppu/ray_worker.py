@@ -248,8 +248,8 @@ def _snapshotter(cfg: RunConfig, plan: Plan, token: str,
     """This rank's snapshots go to its node's keeper and a replica to the next node's."""
     here = ray.get_runtime_context().get_node_id()
     found = _keepers(cfg, token)
-    if here not in found:  # a node that joined after the launch: its keeper belongs to us
-        found[here] = snapshot_keeper.start(token, [here])[0]
+    if here not in found:  # a node that joined after the launch: a keeper outliving us
+        found[here] = snapshot_keeper.start(token, [here], detached=True)[0]
     peer = snapshot_keeper.replica_of(here, list(found))
     targets = [found[here]] + ([found[peer]] if peer else [])
     rank, layout = dist.get_rank(), snapshot.layout_of(plan)

@@ -86,12 +86,25 @@ def _name(token: str, node_id: str) -> str:
     return f"ray_ppu_keeper:{token}:{node_id}"
 
 
-def start(token: str, node_ids: list[str]) -> list:
-    """One keeper per node (no CPU reserved: it only copies bytes), without waiting."""
+def start(token: str, node_ids: list[str], detached: bool = False) -> list:
+    """One keeper per node (no CPU reserved: it only copies bytes), without waiting.
+
+    ``detached``: one a worker starts on a node that joined after the launch. Owned by that
+    worker, it would die with its group (taking the replicas it holds with it, at exactly the
+    restart they are for); detached, it lives until the driver's :func:`stop_all` at the end.
+    """
     return [_KeeperActor.options(
         name=_name(token, node_id), namespace=NAMESPACE, get_if_exists=True, num_cpus=0,
         max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        **({"lifetime": "detached"} if detached else {}),
     ).remote(node_id) for node_id in node_ids]
+
+
+def stop_all(token: str, node_ids: list[str]) -> None:
+    """Kill this launch's keepers on ``node_ids`` still there (the driver, as the launch
+    ends: the detached ones outlive it otherwise)."""
+    for handle in keepers(token, node_ids).values():
+        ray.kill(handle)
 
 
 def keepers(token: str, node_ids: list[str]) -> dict:

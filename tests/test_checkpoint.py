@@ -71,6 +71,60 @@ def _fake_checkpoint(path: Path, iteration: int, complete: bool = True) -> Path:
     return path
 
 
+def _writer_queue_child(conn) -> None:
+    """A rank's process as far as the writer queue goes: make it, use it, report the server."""
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from ray_ppu.checkpoint.saver import _start_writer_results_queue
+
+    _start_writer_results_queue()
+    queue = filesystem_async._get_write_results_queue()  # Megatron's own accessor
+    result = {0: [WriteResult(MetadataIndex("w"), 8, _StorageInfo("__0_0.distcp", 0, 8))]}
+    queue.put(result)
+    conn.send((queue.get() == result, [c.pid for c in psutil.Process().children()]))
+    time.sleep(600)  # until the test SIGKILLs it
+
+
+def test_the_writer_results_queue_is_forked_ready_and_dies_with_its_rank():
+    """Megatron-Core's torch_dist writer reports through a Manager queue it would spawn at a
+    process's first save (the server importing torch: seconds of every first save). The Saver
+    makes it first, in a server forked from the rank, which Megatron's accessor then returns;
+    the server exits when the rank is SIGKILLed instead of outliving it."""
+    import multiprocessing
+    import signal
+
+    import psutil
+
+    ctx = multiprocessing.get_context("fork")
+    ours, theirs = ctx.Pipe()
+    rank = ctx.Process(target=_writer_queue_child, args=(theirs,))
+    rank.start()
+    try:
+        assert ours.poll(60), "the rank process did not report"
+        round_trip, servers = ours.recv()
+        assert round_trip and len(servers) == 1, servers
+    finally:
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.join()
+    deadline = time.monotonic() + 10
+    while _running(servers[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(servers[0]), "the writer queue's server outlived its rank"
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _cfg(tmp_path, *extra):
     return absolute_paths(load(None, ["data.data_path=[corpus]", "training.train_iters=8",
                                       f"output.dir={tmp_path / 'run'}", *extra]))

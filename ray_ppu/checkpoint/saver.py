@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import threading
 import time
@@ -145,7 +146,8 @@ class Saver:
         # async call index → (path, iteration, tag, error (None), weights only)
         self.pending: dict[int, tuple] = {}
         # a run that never saves (checkpoint.enabled=false) spawns no writer queue
-        self._writer_queue = _start_writer_results_queue() if cfg.checkpoint.enabled else None
+        if cfg.checkpoint.enabled:
+            _start_writer_results_queue()
 
 
     def save(self, iteration: int, model: list, optimizer, scheduler, tag=None) -> list[tuple]:
@@ -165,9 +167,6 @@ class Saver:
             FullyParallelSaveStrategyWrapper,
         )
 
-        if self._writer_queue is not None:  # started with the Saver: ready long before
-            self._writer_queue.join()
-            self._writer_queue = None
         path = _new_dir(self.root, iteration)
         state = _sharded_state(model, optimizer, is_loading=False)
         state["iteration"] = iteration
@@ -242,22 +241,48 @@ class Saver:
         return path, meta, tag
 
 
-def _start_writer_results_queue() -> Optional[threading.Thread]:
-    """Start, in the background, the queue Megatron-Core's torch_dist writer reports through.
+def _start_writer_results_queue() -> None:
+    """Make the queue Megatron-Core's torch_dist writer reports its results through, in a
+    forked server process, before the first save.
 
     The writer makes it at the first save of a process (``filesystem_async.
-    _get_write_results_queue``, kept for the process): a ``multiprocessing`` Manager in a
-    *spawned* server process, a fresh interpreter that imports the main module again. That
-    start was 5.6 s of the tiny preset's 6.3 s first save in one process (cProfile; the later
-    saves took 0.7 s): the fixed cost of every process's first save. Made here, when the
-    rank's Saver is, it overlaps the model build; :meth:`Saver.save` waits for it. None where
-    this Megatron-Core has no such function (then its first save pays as before).
+    _get_write_results_queue``, kept for the process in ``_results_queue``): a
+    ``multiprocessing`` Manager in a *spawned* server, a fresh interpreter that imports the
+    main module again, and torch when it unpickles the first write results. That was the
+    fixed cost of every process's first save: 5.6 s of the tiny preset's 6.3 s first save in
+    one process, and in a Ray Train worker (whose main module, Ray's ``default_worker.py``,
+    imports no torch) 4.96 s of a 7.6 s first save waiting on the server's torch import
+    (cProfile; later saves 0.7-0.9 s). Started in the background it still cost a rank that
+    CPU time, and its first save waited for it (5.5 s). A server forked from this process has
+    every module already: 0.05 s. Megatron forks its writer processes from here at every
+    save alike. The Saver is made before the model is built, so the server shares (copy on
+    write) only the imported modules, about what a spawned server that imported torch holds;
+    it exits with the rank (:func:`_exit_with_parent`). Nothing is done where this
+    Megatron-Core keeps no such queue.
     """
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    make = getattr(filesystem_async, "_get_write_results_queue", None)
-    if make is None:
-        return None
-    thread = threading.Thread(target=make, name="ray_ppu-writer-queue", daemon=True)
-    thread.start()
-    return thread
+    global _WRITER_MANAGER
+    if (getattr(filesystem_async, "_get_write_results_queue", None) is None
+            or getattr(filesystem_async, "_results_queue", False) is not None):
+        return
+    _WRITER_MANAGER = SyncManager(ctx=multiprocessing.get_context("fork"))
+    _WRITER_MANAGER.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = _WRITER_MANAGER.Queue()
+
+
+_WRITER_MANAGER = None  # the results queue's server, for the life of the process
+
+
+def _exit_with_parent(parent: int) -> None:
+    """In the forked queue server: exit once the rank that forked it is gone (SIGKILLed, or
+    its node lost). A Manager server does not notice its parent's death by itself."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ray_ppu-exit-with-parent", daemon=True).start()
