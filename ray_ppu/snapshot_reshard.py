@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from typing import Callable, NamedTuple
 
 import torch
@@ -121,12 +122,13 @@ def restore_resharded(iteration: int, sources: dict, fetch: Callable[[int], byte
     expert = [r for r, c in sorted(sources.items()) if me.holds_same(Coords(*c), expert=True)]
     if not dense or (experts and not expert):
         raise CheckpointError(f"no rank of the old group holds this rank's shards ({me})")
-    states = {}
+    started, states = time.perf_counter(), {}
     for r in sorted(set(dense) | set(expert)):
         states[r] = torch.load(io.BytesIO(fetch(r)), map_location="cpu", weights_only=False)
         if states[r]["iteration"] != iteration:
             raise CheckpointError(f"old rank {r}'s snapshot holds iteration "
                                   f"{states[r]['iteration']}, not {iteration}")
+    fetched = time.perf_counter()
     of_kind = {False: dense, True: expert}
     for i, chunk in enumerate(model):  # every weight from one holder; ranges below
         own = unwrap(chunk).state_dict()
@@ -142,6 +144,10 @@ def restore_resharded(iteration: int, sources: dict, fetch: Callable[[int], byte
     # the RNG of the old rank at this DP rank's place (DP ranks are seeded alike), else DP 0's
     twin = next((r for r in dense if Coords(*sources[r])[2:4] == (me.cp, me.dp)), dense[0])
     restore_rng(states[twin]["rng"])
+    if torch.distributed.get_rank() == 0:
+        log.info("resharded restore: %d old snapshot(s) fetched and read in %.1f s, this rank's "
+                 "ranges assembled in %.1f s", len(states), fetched - started,
+                 time.perf_counter() - fetched)
     return iteration
 
 
