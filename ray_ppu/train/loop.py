@@ -77,12 +77,15 @@ class Hooks:
     the ids of the samples this rank read for it (None on ranks that read no data); it may answer
     ``"save"`` (save now too) or ``"stop"`` (save now, then return). ``on_save(done, metrics)``:
     a collective checkpoint save, every ``save_interval`` iterations, at the end and when
-    ``on_iteration`` asks; None: no saves.
+    ``on_iteration`` asks; None: no saves. ``on_iteration_done(done)``: once the iteration's
+    validation and save are done too (an in-memory snapshot taken there covers them: a group
+    restored from it does not owe that validation).
     """
 
     on_log: Callable[[dict], None]
     on_iteration: Optional[Callable[[int, Optional[list]], Optional[str]]] = None
     on_save: Optional[Callable[[int, dict], None]] = None
+    on_iteration_done: Optional[Callable[[int], None]] = None
 
 
 def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hooks, *,
@@ -95,7 +98,8 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
     ``on_log`` every ``log_interval`` iterations (the window's numbers, reduced on every rank), a
     validation pass every ``plan.eval_interval`` iterations and at the end (when
     ``plan.eval_iters`` > 0), and ``on_save`` (the state is then exactly "``done`` iterations
-    done", validation included). Validation and saves are kept off the step-time clock.
+    done", validation included), then ``on_iteration_done``. Validation and saves are kept
+    off the step-time clock.
     ``packed``: how packed rows keep samples apart, ``"mask"`` or ``"thd"``
     (``model.packed_format``); ``"mask"`` when the plan packs and it is not given.
     """
@@ -136,6 +140,8 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
                                           or (save_interval and done % save_interval == 0)):
             with _off_the_clock(window), params_in_sync(state.model):
                 hooks.on_save(done, dict(metrics))
+        if hooks.on_iteration_done is not None:  # its cost counts in the next row's step
+            hooks.on_iteration_done(done)
         if action == "stop":
             return {**metrics, "stopped_at": done}
     return metrics

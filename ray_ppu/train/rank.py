@@ -141,7 +141,15 @@ class _RankDuties:
         from ray_ppu.train.loop import Hooks
 
         return Hooks(on_log=self.on_log, on_iteration=self.on_iteration,
-                     on_save=self.on_save if self.cfg.checkpoint.enabled else None)
+                     on_save=self.on_save if self.cfg.checkpoint.enabled else None,
+                     on_iteration_done=self.on_iteration_done)
+
+    def on_iteration_done(self, done: int) -> None:
+        """After the iteration's validation and save: its in-memory snapshot (a group restored
+        from it starts after that validation, as from a checkpoint of the same iteration)."""
+        if self.snapshots is not None:
+            s = self.state
+            self.snapshots.after(done, s.model, s.optimizer, s.scheduler)
 
     def model_ready(self, state) -> None:
         self.state = state
@@ -172,9 +180,6 @@ class _RankDuties:
     def on_iteration(self, done: int, sample_ids: Optional[list]) -> Optional[str]:
         self.timeline.setdefault("first_step_done", time.perf_counter())
         self.saving(self.saver.poll)  # background saves whose writers finished
-        if self.snapshots is not None:
-            s = self.state
-            self.snapshots.after(done, s.model, s.optimizer, s.scheduler)
         if self.progress is not None:
             self.progress.after(done)
         if self.samples is not None and sample_ids is not None:
