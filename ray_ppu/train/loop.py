@@ -78,8 +78,8 @@ class Hooks:
     ``"save"`` (save now too) or ``"stop"`` (save now, then return). ``on_save(done, metrics)``:
     a collective checkpoint save, every ``save_interval`` iterations, at the end and when
     ``on_iteration`` asks; None: no saves. ``on_iteration_done(done)``: once the iteration's
-    validation and save are done too (an in-memory snapshot taken there covers them: a group
-    restored from it does not owe that validation).
+    validation is done too, before its save (an in-memory snapshot taken there covers the
+    validation, as a checkpoint does: a group restored from it owes none).
     """
 
     on_log: Callable[[dict], None]
@@ -98,8 +98,8 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
     ``on_log`` every ``log_interval`` iterations (the window's numbers, reduced on every rank), a
     validation pass every ``plan.eval_interval`` iterations and at the end (when
     ``plan.eval_iters`` > 0), and ``on_save`` (the state is then exactly "``done`` iterations
-    done", validation included), then ``on_iteration_done``. Validation and saves are kept
-    off the step-time clock.
+    done", validation included), ``on_iteration_done`` just before it. Validation and saves
+    are kept off the step-time clock.
     ``packed``: how packed rows keep samples apart, ``"mask"`` or ``"thd"``
     (``model.packed_format``); ``"mask"`` when the plan packs and it is not given.
     """
@@ -136,12 +136,12 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
                                       done)
                 hooks.on_log({**result, "eval_time_s": took()})
             metrics.update(result)
+        if hooks.on_iteration_done is not None:  # its cost counts in the next row's step
+            hooks.on_iteration_done(done)
         if hooks.on_save is not None and (last or action is not None
                                           or (save_interval and done % save_interval == 0)):
             with _off_the_clock(window), params_in_sync(state.model):
                 hooks.on_save(done, dict(metrics))
-        if hooks.on_iteration_done is not None:  # its cost counts in the next row's step
-            hooks.on_iteration_done(done)
         if action == "stop":
             return {**metrics, "stopped_at": done}
     return metrics

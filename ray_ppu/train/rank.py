@@ -145,8 +145,8 @@ class _RankDuties:
                      on_iteration_done=self.on_iteration_done)
 
     def on_iteration_done(self, done: int) -> None:
-        """After the iteration's validation and save: its in-memory snapshot (a group restored
-        from it starts after that validation, as from a checkpoint of the same iteration)."""
+        """After the iteration's validation, before its save: its in-memory snapshot (a group
+        restored from it starts after that validation, as from a checkpoint of the iteration)."""
         if self.snapshots is not None:
             s = self.state
             self.snapshots.after(done, s.model, s.optimizer, s.scheduler)
