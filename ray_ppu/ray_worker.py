@@ -214,21 +214,19 @@ def _memory_point(cfg: RunConfig, plan: Plan, token: str,
     fetch = _no_fetch
     if rank < plan.world_size:  # a spare restores nothing
         # the transfers run while the model is built: this rank's own snapshot, or (resharding)
-        # those of the old ranks at its (PP, TP) place in Megatron-Core's default rank order
-        # (TP fastest, PP slowest); restore fetches any other it turns out to need
-        refs = {r: request(r) for r in ([rank] if same else _same_place(rank, layout, best))}
+        # those of the old ranks at its (PP, TP) place; restore fetches any other it needs
+        refs = {r: request(r) for r in ([rank] if same else _same_place(plan, rank, best))}
         fetch = lambda old_rank: ray.get(refs.get(old_rank) or request(old_rank))  # noqa: E731
     return snapshot.MemoryPoint(best.iteration, tuple(sorted(handles)), fetch,
                                 sources=None if same else best.coords,
                                 origin=checkpoint.origin(cfg, disk))
 
 
-def _same_place(rank: int, layout: tuple, best: snapshot_keeper.Found) -> list[int]:
-    """The old group's ranks at this rank's (PP, TP) place: TP = rank mod TP, PP = rank over
-    the ranks of one stage (``layout``: ray_ppu.snapshot.layout_of's)."""
-    world, tp, pp = layout[:3]
-    place = (rank % tp, rank // (world // pp))
-    return [r for r in best.holders if (r % tp, r // (best.layout[0] // pp)) == place]
+def _same_place(plan: Plan, rank: int, best: snapshot_keeper.Found) -> list[int]:
+    """The old group's ranks at this rank's (PP, TP) place, by the coordinates they recorded
+    (``ray_ppu.snapshot_reshard.Coords``: PP first, TP second)."""
+    mine = plan.dims.coordinates(rank)
+    return [r for r, (pp, tp, *_) in best.coords.items() if (pp, tp) == (mine["pp"], mine["tp"])]
 
 
 def _keepers(cfg: RunConfig, token: str) -> dict:

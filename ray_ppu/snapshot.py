@@ -141,8 +141,8 @@ def restore(point: MemoryPoint, model: list, optimizer, scheduler) -> int:
     """Load this rank's snapshot of ``point`` into the freshly built model, optimizer and
     schedule (and the RNG); returns the iteration training continues at."""
     if point.sources is not None:
-        return restore_resharded(point.iteration, point.sources, point.fetch, model, optimizer,
-                                 scheduler, _optimizers(optimizer))
+        return restore_resharded(point.iteration, point.sources, point.fetch, model,
+                                 _optimizers(optimizer), scheduler)
     state = torch.load(io.BytesIO(point.fetch(dist.get_rank())), map_location="cpu",
                        weights_only=False)
     if state["iteration"] != point.iteration:

@@ -160,18 +160,18 @@ def newest_restorable(indexes: dict, layout: tuple, not_before: int = 0) -> Opti
 
     ``indexes``: ``{node_id: keeper.index()}`` of the keepers that answered.
     """
+    own = tuple(layout)
     # (iteration, layout) → rank → (nodes holding it, entry)
     where: dict[tuple, dict[int, tuple[list, dict]]] = {}
     for node_id, index in indexes.items():
         for rank, held in index.items():
             for iteration, entry in held.items():
                 theirs = tuple(entry["layout"])
-                if iteration >= not_before and (theirs == tuple(layout) or (
-                        entry["reshardable"] and reshards(theirs, layout))):
+                if iteration >= not_before and (theirs == own or (
+                        entry["reshardable"] and reshards(theirs, own))):
                     nodes, _ = where.setdefault((iteration, theirs), {}).setdefault(
                         rank, ([], entry))
                     nodes.append(node_id)
-    own = tuple(layout)
     for iteration, theirs in sorted(where, key=lambda k: (k[0], k[1] == own), reverse=True):
         ranks = where[(iteration, theirs)]
         if all(r in ranks for r in range(theirs[0])):

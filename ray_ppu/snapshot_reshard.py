@@ -113,9 +113,10 @@ def _experts(model: list) -> set:
 
 
 def restore_resharded(iteration: int, sources: dict, fetch: Callable[[int], bytes],
-                      model: list, optimizer, scheduler, optimizers: list) -> int:
+                      model: list, optimizers: list, scheduler) -> int:
     """Load this rank's state from the old group's snapshots at ``iteration``: ``sources``
-    ``{old rank: Coords}``, ``fetch(old rank)`` its snapshot. Returns the iteration."""
+    ``{old rank: Coords}``, ``fetch(old rank)`` its snapshot; ``optimizers``: the chain's
+    distributed optimizers in order. Returns the iteration."""
     me = coords()
     experts = _experts(model)
     dense = [r for r, c in sorted(sources.items()) if me.holds_same(Coords(*c), expert=False)]

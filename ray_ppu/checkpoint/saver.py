@@ -241,6 +241,9 @@ class Saver:
         return path, meta, tag
 
 
+_WRITER_MANAGER = None  # the results queue's server, for the life of the process
+
+
 def _start_writer_results_queue() -> None:
     """Make the queue Megatron-Core's torch_dist writer reports its results through, in a
     forked server process, before the first save.
@@ -272,9 +275,6 @@ def _start_writer_results_queue() -> None:
     _WRITER_MANAGER = SyncManager(ctx=multiprocessing.get_context("fork"))
     _WRITER_MANAGER.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = _WRITER_MANAGER.Queue()
-
-
-_WRITER_MANAGER = None  # the results queue's server, for the life of the process
 
 
 def _exit_with_parent(parent: int) -> None:
