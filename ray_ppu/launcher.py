@@ -26,7 +26,7 @@ from typing import Optional
 import ray
 import ray.train
 from ray.train import FailureConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 
 from ray_ppu import checkpoint, devices, job_stop, preflight, ray_worker, snapshot_keeper, watchdog
 from ray_ppu.errors import ClusterError, ConfigError
@@ -34,6 +34,7 @@ from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
 from ray_ppu.data.sampler import valid_start, valid_steps
 from ray_ppu.plan import Plan
+from ray_ppu.process_group import ProcessGroupConfig
 from ray_ppu.train_controller import FailureRecorder
 
 log = logging.getLogger("ray_ppu")
@@ -101,8 +102,10 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers:
                            "readers": readers, "phases": phases or {},
                            # the group's start (the start line's "group") is measured from here
                            "fit_called_at": time.time()},
-        # Explicit: TorchConfig(backend=None) would pick gloo for a custom resource like PPU.
-        torch_config=TorchConfig(backend=devices.dist_backend(backend)),
+        # not Ray's TorchConfig: its module imports torch into the controller, on the start's
+        # critical path (ray_ppu.process_group); explicit, as TorchConfig would pick gloo for a
+        # custom resource like PPU
+        torch_config=ProcessGroupConfig(backend=devices.dist_backend(backend)),
         scaling_config=ScalingConfig(
             # elastic: Ray Train restarts the group on whatever fits between the two
             num_workers=(c.min_workers, c.num_workers) if c.min_workers else c.num_workers,

@@ -17,7 +17,7 @@ from ray_ppu.util.dist import single_process_group
 def initialize(plan: Plan, seed: int) -> None:
     """Build TP/PP/CP/DP (and EP / ETP) groups and seed every RNG the Megatron way.
 
-    1. Reuse the default process group (Ray Train's TorchConfig or torchrun created it).
+    1. Reuse the default process group (ray_ppu.process_group's under Ray Train, or torchrun's).
     2. ``initialize_model_parallel`` with the plan's sizes; check the world agrees with the plan.
     3. Seeds: ``seed + 100 × pp_rank`` for Python/NumPy/torch, then Megatron's tracker, which
        gives each TP rank its own stream for tensor-parallel regions.

@@ -1,5 +1,6 @@
 """The restart record (ray_ppu.recovery), without Ray: what the controller writes on a failure,
-and the row the next worker group derives from it and from metrics.jsonl."""
+and the row the next worker group derives from it and from metrics.jsonl; and what the
+controller unpickles stays free of torch."""
 
 import json
 
@@ -58,21 +59,29 @@ def test_a_declared_hang_is_the_cause_of_the_failure_that_follows(tmp_path):
     assert second.cause == "rank 0: RuntimeError: actor died"
 
 
-def test_the_controllers_callback_imports_no_torch(tmp_path):
-    """Ray Train's controller unpickles the failure recorder before it asks for any worker:
-    unpickled in a fresh interpreter (as the controller does), it pulls in neither torch nor
-    Megatron-Core, whose imports would delay every worker group's start."""
+def test_what_the_controller_unpickles_imports_no_torch(tmp_path, corpus):
+    """Ray Train's controller unpickles the trainer's failure recorder and backend config
+    before it asks for any worker: unpickled in a fresh interpreter (as the controller does),
+    they pull in neither torch nor Megatron-Core, whose imports would delay every worker
+    group's start (Ray's own TorchConfig, from ray.train.torch, imports torch)."""
     import pickle
     import subprocess
     import sys
 
-    from ray_ppu.train_controller import FailureRecorder
+    from test_training import overrides
 
-    blob = tmp_path / "callback.pkl"
-    blob.write_bytes(pickle.dumps(FailureRecorder(tmp_path, "launch-a")))
+    from ray_ppu.config.loader import load
+    from ray_ppu.launcher import build_trainer
+    from ray_ppu.plan import build_plan
+
+    cfg = load(None, overrides(corpus, tmp_path / "run", "cluster.num_workers=2"))
+    trainer = build_trainer(cfg, build_plan(cfg), "cpu", {}, token="launch-a")
+    blob = tmp_path / "controller.pkl"
+    blob.write_bytes(pickle.dumps((trainer.run_config.callbacks, trainer.backend_config)))
     code = ("import pickle, sys\n"
-            f"callback = pickle.loads(open({str(blob)!r}, 'rb').read())\n"
-            "assert callback.token == 'launch-a'\n"
+            f"callbacks, backend = pickle.loads(open({str(blob)!r}, 'rb').read())\n"
+            "assert [c.token for c in callbacks] == ['launch-a'], callbacks\n"
+            "assert (backend.backend, backend.to_dict()['init_method']) == ('gloo', 'env')\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
