@@ -220,6 +220,19 @@ def test_cpu_options_train_with_the_plain_runs_losses(corpus, tmp_path):
     assert results["fp16_loss_scaling"]["skipped_iterations"] == 0
 
 
+def test_option_table_gives_mfu_only_against_a_known_peak(capsys):
+    variants = {"plain": ([], None, 0.0), "tp2": ([], "plain", 1e-5)}
+    results = {name: {"ran": True, "losses": [2.0, 1.5], "step_time_s": 0.5,
+                      "peak_memory_gib": None, "tflops_per_device": 12.3}
+               for name in variants}
+    option_runs.print_table(variants, results, 123.0)  # a PPU's bf16 peak
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [r.split()[-1] for r in rows] == ["10.0%", "10.0%"]
+    assert rows[1].split()[2] == "yes"  # tp2's losses are plain's
+    option_runs.print_table(variants, results, None)  # a CPU: its peak is unknown
+    assert [r.split()[-1] for r in capsys.readouterr().out.splitlines()[1:]] == ["n/a", "n/a"]
+
+
 def test_device_matrix_says_when_there_is_no_device():
     proc = subprocess.run([sys.executable, str(REPO / "entrypoints" / "benchmark.py"), "device",
                            "--corpus", "unused"], capture_output=True, text=True)
