@@ -89,6 +89,19 @@ def _connect(cfg: RunConfig) -> bool:
     return True
 
 
+class _Trainer(TorchTrainer):
+    """TorchTrainer without Ray Train's datasets callback. That callback starts a
+    DatasetManager actor at every worker group start (a process importing Ray Data: 2.1 CPU-s
+    beside the workers' own start), for Ray Datasets this trainer never has: our readers feed
+    the ranks (ray_ppu.data.reader_pool), and ``ray.train.get_dataset_shard`` is not used."""
+
+    def _create_default_callbacks(self):
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+        return [c for c in super()._create_default_callbacks()
+                if not isinstance(c, DatasetsCallback)]
+
+
 def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers: dict,
                   token: str = "", phases: Optional[dict] = None) -> TorchTrainer:
     """TorchTrainer with one worker per PPU, checkpoints and the failure policy. ``readers``:
@@ -96,7 +109,7 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers:
     identifies this launch; ``phases``: the driver's start-up figures, for rank 0's log."""
     c = cfg.cluster
     root = checkpoint.save_root(cfg)
-    return TorchTrainer(
+    return _Trainer(
         ray_worker.train_worker,
         train_loop_config={"cfg": cfg, "plan": plan, "backend": backend, "token": token,
                            "readers": readers, "phases": phases or {},

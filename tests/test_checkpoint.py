@@ -268,11 +268,19 @@ def uninterrupted_run(corpus, out) -> dict:
     cfg, plan = _config(corpus, out, "cluster.num_workers=2", "checkpoint.memory_interval=null",
                         "cluster.peak_tflops=123")
     scraped: list[str] = []
+    managers = _dataset_managers()
     final, _ = launch_while(cfg, plan, scrape_ray_metrics(out.name, scraped))
     rows = _rows(out)
     assert _train_iterations(rows) == list(range(1, ITERS + 1))
     return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows),
-            "ray_metrics": scraped}
+            "ray_metrics": scraped, "dataset_managers_started": _dataset_managers() - managers}
+
+
+def _dataset_managers() -> int:
+    """Ray Train DatasetManager actors this session's Ray has seen (dead ones included)."""
+    from ray.util.state import list_actors
+
+    return len(list_actors(filters=[("class_name", "=", "DatasetManager")], limit=10_000))
 
 
 def scrape_ray_metrics(run: str, lines: list):

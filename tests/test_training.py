@@ -123,6 +123,12 @@ def test_dp2_on_ray_trains_like_dp1_on_torchrun(baseline, uninterrupted):
     assert dp2 == pytest.approx(baseline, abs=2e-4)
 
 
+def test_a_launch_starts_no_ray_data_manager(uninterrupted):
+    """Ray Train's datasets callback is left out (ray_ppu.launcher._Trainer): the readers feed
+    the ranks, and its DatasetManager actor would be a process more at every group start."""
+    assert uninterrupted["dataset_managers_started"] == 0
+
+
 def moe_rows(out) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if "moe_expert_load_max_over_mean" in r]
