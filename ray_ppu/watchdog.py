@@ -16,7 +16,8 @@ health check) and to torch.distributed for 30 (the process-group timeout). So:
   ``eval_iters`` steps for a validation pass); 30 min while a rank is saving) means a hang.
   The stalled ranks are those whose heartbeat stopped (a frozen process); if every process
   still beats, the ranks behind the others; if none is behind, all (a collective or device
-  that never returns). The watchdog writes the cause for the controller's failure record
+  that never returns). A heartbeat late but not yet stale holds the verdict until it is one
+  or the other. The watchdog writes the cause for the controller's failure record
   (the restart row then says ``cause: hang: …``), asks each stalled process for its stacks
   (SIGUSR1), logs them, and SIGKILLs it, from a task on its node: Ray Train sees the worker
   die and restarts the group as after a crash.
@@ -46,6 +47,7 @@ log = logging.getLogger("ray_ppu")
 
 BEAT_S = 1.0
 STALE_BEAT_S = 10.0  # a heartbeat older than this: the process stopped answering
+LATE_BEAT_S = 3 * BEAT_S  # older than this but not stale: no verdict yet (see hang_cause)
 MIN_TIMEOUT_S = 120.0
 SAVE_TIMEOUT_S = 1800.0  # a durable save may take long at scale; saves that fail are reported
 POLL_S = 1.0
@@ -138,6 +140,11 @@ def hang_cause(ranks: list[dict], timeout_s: Optional[float], eval_iters: int,
     if quiet <= limit:
         return None
     frozen = [r for r in ranks if r["beat_age_s"] > STALE_BEAT_S]
+    if not frozen and any(r["beat_age_s"] > LATE_BEAT_S for r in ranks):
+        # a heartbeat has stopped but is not stale yet (a rank frozen right after its last
+        # iteration, with a timeout near STALE_BEAT_S): decide once it beats or goes stale,
+        # at most STALE_BEAT_S later, rather than call a frozen rank alive
+        return None
     lowest = min(r["iteration"] for r in ranks)
     behind = [r for r in ranks if r["iteration"] == lowest]
     if frozen:

@@ -31,6 +31,16 @@ def test_a_frozen_rank_is_named_after_the_timeout():
     assert [r["rank"] for r in stalled] == [1]
 
 
+def test_a_late_heartbeat_holds_the_verdict_until_it_is_stale():
+    # frozen 0.5 s after its last iteration, with a 10 s timeout: when the timeout passes
+    # its beat is 9.5 s old, not yet stale; it is not called alive, and 0.5 s later, frozen
+    late = [rank(0, 5, 100.0), rank(1, 5, 100.0, beat_age=9.5)]
+    assert watchdog.hang_cause(late, 10, 0, now=110.5) is None
+    stale = [rank(0, 5, 100.0), rank(1, 5, 100.0, beat_age=10.5)]
+    cause, stalled = watchdog.hang_cause(stale, 10, 0, now=111.0)
+    assert "rank 1 stopped answering" in cause and [r["rank"] for r in stalled] == [1]
+
+
 def test_alive_ranks_behind_or_all_stuck():
     cause, stalled = watchdog.hang_cause([rank(0, 6, 100.0), rank(1, 5, 90.0)], 10, 0, now=120)
     assert "rank(s) [1] behind at iteration 5, alive (the others at 6)" in cause

@@ -127,6 +127,18 @@ def _elastic_run(corpus: str, cluster, ppu_nodes: list, out: Path, result: dict)
     result.update(wall_s=time.time() - t0, events=events, dir=str(out))
 
 
+def _refresh_ray_trains_view() -> None:
+    """Have Ray's autoscaling coordinator, through which Ray Train's elastic policy sees the
+    cluster, look at the nodes now: it refreshes its view only every 20 s
+    (``TICK_INTERVAL_S``), and a 12-iteration CPU run can end before that tick notices the
+    joined node (the grow then never happens). On a real cluster the grow waits for the tick;
+    here the figure is the rest: node joined → the larger group's first iteration."""
+    import ray
+
+    coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    ray.get(coordinator.get_reserved_resources.remote("ray_ppu-elastic-scenario", recompute=True))
+
+
 def _grow_then_shrink(cluster, ppu_nodes: list, out: Path, root: Path, done: threading.Event,
                       events: dict) -> None:
     """A fourth node once the 3-worker group's checkpoint at 2 is complete; then, once the
@@ -138,6 +150,7 @@ def _grow_then_shrink(cluster, ppu_nodes: list, out: Path, root: Path, done: thr
     ppu_nodes.append(cluster.add_node(**PPU_NODE))
     events["added"] = time.time()
     print(f"ELASTIC node added at {events['added']:.3f}", flush=True)
+    _refresh_ray_trains_view()
 
     def grown_and_saved():
         rows = metrics_rows(out)
