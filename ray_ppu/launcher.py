@@ -115,9 +115,8 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers:
                            "readers": readers, "phases": phases or {},
                            # the group's start (the start line's "group") is measured from here
                            "fit_called_at": time.time()},
-        # not Ray's TorchConfig: its module imports torch into the controller, on the start's
-        # critical path (ray_ppu.process_group); explicit, as TorchConfig would pick gloo for a
-        # custom resource like PPU
+        # not Ray's TorchConfig, whose module imports torch into the controller on the start's
+        # critical path (ray_ppu.process_group); the backend is explicit: nccl on PPUs
         torch_config=ProcessGroupConfig(backend=devices.dist_backend(backend)),
         scaling_config=ScalingConfig(
             # elastic: Ray Train restarts the group on whatever fits between the two

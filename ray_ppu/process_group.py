@@ -5,7 +5,7 @@ Ray Train's controller unpickles the trainer's backend config before it asks for
 worker. ``TorchTrainer``'s own, ``TorchConfig``, lives in ``ray.train.torch``, whose import
 pulls in torch: 2.4 CPU-s (``import ray.train.v2._internal.execution.controller`` alone 1.5 s,
 with ``ray.train.torch.config`` 3.7 s) spent at the start of every launch, on its critical
-path, and on 2 cores by the workers' imports' competitor. :class:`ProcessGroupConfig` is
+path, before any worker is asked for. :class:`ProcessGroupConfig` is
 what ``TorchTrainer`` takes as its ``torch_config`` (it reads only ``backend``) and does for the
 workers what ours need of TorchConfig's setup:
 
