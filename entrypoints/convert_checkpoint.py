@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "hf-to-mcore":
             from ray_ppu.devices import resolve
-            from ray_ppu.hf.convert import conversion_plan, to_mcore
+            from ray_ppu.offline.hf_to_mcore import conversion_plan, to_mcore
 
             try:
                 backend = resolve(args.device)
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
             # before Megatron-Core is imported (8 s a process)
             conversion_plan(args.hf, int(os.environ.get("WORLD_SIZE", 1)), args.tp, args.pp,
                             args.precision, backend, args.ep)
-            from ray_ppu.parallel import process_group
+            from ray_ppu.model.parallel import process_group
 
             with process_group(backend):
                 import torch.distributed as dist
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
                 if dist.get_rank() != 0:
                     return 0
         else:
-            from ray_ppu.hf.export import export
+            from ray_ppu.offline.mcore_to_hf import export
 
             summary = export(args.checkpoint, args.out, args.dtype, args.tokenizer,
                              args.max_shard_size)

@@ -62,7 +62,7 @@ def prepare(args: argparse.Namespace) -> tuple:
     """
     from ray_ppu import devices
     from ray_ppu.data.tokenizer import load_tokenizer
-    from ray_ppu.inference_source import inference_config, open_source
+    from ray_ppu.offline.source import inference_config, open_source
 
     source = open_source(args.checkpoint)
     tokenizer_dir = args.tokenizer or source.hf_dir
@@ -104,7 +104,9 @@ def main(argv=None) -> int:
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     import torch.distributed as dist
 
-    from ray_ppu import devices, inference, parallel  # Megatron-Core: after the checks
+    from ray_ppu import devices  # Megatron-Core: after the checks
+    from ray_ppu.model import parallel
+    from ray_ppu.offline import inference
 
     with parallel.process_group(backend):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))

@@ -114,7 +114,8 @@ def child(directory: str, tp: int, pp: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from ray_ppu import inference, parallel
+    from ray_ppu.model import parallel
+    from ray_ppu.offline import inference
     from ray_ppu.hf.weights import load_pretrained
 
     logging.getLogger("megatron.core").setLevel(logging.WARNING)

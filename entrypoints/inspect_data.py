@@ -26,7 +26,7 @@ from ray_ppu.errors import ConfigError, UserError  # noqa: E402
 from ray_ppu.data import idxmap  # noqa: E402
 from ray_ppu.data.sampler import rank_sample_ids  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
-from ray_ppu.output import absolute_paths  # noqa: E402
+from ray_ppu.launch.output import absolute_paths  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.errors import ConfigError, UserError  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
-from ray_ppu.output import absolute_paths, prepare_output  # noqa: E402
+from ray_ppu.launch.output import absolute_paths, prepare_output  # noqa: E402
 
 DEMO_CONFIG = REPO / "entrypoints" / "configs" / "demo.yaml"
 
@@ -57,10 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def dry_run(cfg, plan) -> dict:
     """The resolved config, the plan (batches, iterations, FLOPs per iteration), the
     Megatron-Core settings the workers will build, and the memory plan of one device; with
-    RAY_ADDRESS set, the preflight report of that cluster's PPU nodes (ray_ppu.preflight:
+    RAY_ADDRESS set, the preflight report of that cluster's PPU nodes (ray_ppu.launch.preflight:
     paths writable / readable there, Transformer Engine, device)."""
-    from ray_ppu.megatron_settings import describe
-    from ray_ppu.memory import memory_plan
+    from ray_ppu.model.megatron_settings import describe
+    from ray_ppu.plan.memory import memory_plan
 
     te = cfg.cluster.device != "cpu"  # PPU / GPU images carry Transformer Engine
     result = {"config": cfg.to_dict(), "plan": plan.to_dict(),
@@ -74,7 +74,7 @@ def _preflight(cfg) -> dict:
     """Join the cluster in RAY_ADDRESS (unless already connected) and run the preflight."""
     import ray
 
-    from ray_ppu import preflight
+    from ray_ppu.launch import preflight
 
     joined = not ray.is_initialized()
     if joined:
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             return 2
         return 0
 
-    from ray_ppu.launcher import connect, launch, shutdown
+    from ray_ppu.launch.launcher import connect, launch, shutdown
 
     started = False
     try:
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         if started:
             shutdown()
     if cfg.output.report:
-        from ray_ppu.report import write_report
+        from ray_ppu.monitor.report import write_report
 
         logging.info("run report: %s", write_report(cfg.output.dir))
     print(json.dumps({"final": final}))

@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.report import write_report  # noqa: E402
+from ray_ppu.monitor.report import write_report  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -28,8 +28,8 @@ from ray_ppu import checkpoint, devices  # noqa: E402
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.data import idxmap, inprocess  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
-from ray_ppu.report import write_report  # noqa: E402
-from ray_ppu.output import absolute_paths, prepare_output  # noqa: E402
+from ray_ppu.monitor.report import write_report  # noqa: E402
+from ray_ppu.launch.output import absolute_paths, prepare_output  # noqa: E402
 from ray_ppu.train.rank import train_rank  # noqa: E402
 
 

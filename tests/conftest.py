@@ -19,7 +19,7 @@ def ray_cluster():
     """A local Ray whose raylet advertises 4 simulated PPUs with per-unit ids."""
     import ray
 
-    from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES
+    from ray_ppu.launch.launcher import UNIT_INSTANCE_RESOURCES
 
     os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
     ray.init(address="local", num_cpus=8, resources={"PPU": SIMULATED_PPUS}, log_to_driver=True)

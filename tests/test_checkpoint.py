@@ -41,10 +41,10 @@ import pytest
 from ray_ppu.util.net import free_port
 from ray_ppu import checkpoint
 from ray_ppu.config.loader import ConfigError, load
-from ray_ppu.launcher import launch
-from ray_ppu.metrics_log import read_sample_log
+from ray_ppu.launch.launcher import launch
+from ray_ppu.monitor.metrics_log import read_sample_log
 from ray_ppu.plan import build_plan
-from ray_ppu.output import absolute_paths, prepare_output
+from ray_ppu.launch.output import absolute_paths, prepare_output
 
 ITERS = 8
 SAVE = ["checkpoint.save_interval=4"]
@@ -379,7 +379,7 @@ def _kill_keepers() -> int:
     """Kill every snapshot keeper (this test session's Ray): all in-memory copies are gone."""
     import ray
 
-    from ray_ppu.snapshot_keeper import NAMESPACE
+    from ray_ppu.recovery.snapshot_keeper import NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NAMESPACE]
@@ -695,10 +695,11 @@ def _losses_of_checkpoints_on_first_batch(paths: list[str], overrides: list[str]
     import torch
     import torch.distributed as dist
 
-    from ray_ppu import devices, parallel
+    from ray_ppu import devices
+    from ray_ppu.model import parallel
     from ray_ppu.data import idxmap, inprocess
-    from ray_ppu.model import build_model
-    from ray_ppu.optim import build_optimizer
+    from ray_ppu.model.gpt import build_model
+    from ray_ppu.model.optim import build_optimizer
     from ray_ppu.train.schedule import evaluate, make_schedule
 
     cfg = absolute_paths(load(None, overrides))

@@ -44,7 +44,7 @@ def unit_instance_resources() -> str:
         if isinstance(node, ast.Assign) and any(
                 getattr(t, "id", None) == "UNIT_INSTANCE_RESOURCES" for t in node.targets):
             return ast.literal_eval(node.value)
-    raise AssertionError("UNIT_INSTANCE_RESOURCES not found in ray_ppu/launcher.py")
+    raise AssertionError("UNIT_INSTANCE_RESOURCES not found in ray_ppu/launch/launcher.py")
 
 
 def load(rel: str):

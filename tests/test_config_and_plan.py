@@ -263,7 +263,7 @@ def test_qwen3_transformer_config_has_its_head_width_and_qk_norms():
     """What --dry-run prints and the workers build TransformerConfig from: kv_channels always
     given (Megatron-Core would derive 1024 / 16 = 64 for Qwen3-0.6B), qk_layernorm for Qwen3
     only; the parameter count holds the q / k norms, replicated on each TP rank."""
-    from ray_ppu.megatron_settings import describe
+    from ray_ppu.model.megatron_settings import describe
 
     cfg = load(None, [*BASE, "model.preset=qwen3-0.6B", "cluster.num_workers=2",
                       "parallel.tensor_model_parallel_size=2", "training.global_batch_size=2"])

@@ -91,7 +91,7 @@ def test_drained_node_is_saved_before_it_goes(node_loss, corpus, tmp_path_factor
     worker: the run saves a checkpoint at the end of its iteration and trains on; when the node
     then goes, the restarted group resumes from that checkpoint (or a newer snapshot), not the
     last periodic one."""
-    from ray_ppu.metrics_log import read_sample_log
+    from ray_ppu.monitor.metrics_log import read_sample_log
 
     res = scenario(tmp_path_factory, corpus, "recovery", "--drain")
     events, figures = res["events"], res["figures"]
@@ -125,7 +125,7 @@ def elastic_run(corpus, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.faults
 def test_elastic_group_shrinks_and_grows(elastic_run):
-    from ray_ppu.metrics_log import read_sample_log
+    from ray_ppu.monitor.metrics_log import read_sample_log
 
     res = elastic_run
     events = res["events"]
@@ -183,7 +183,7 @@ def test_worker_killed_during_a_save(ray_cluster, uninterrupted, corpus, tmp_pat
     the group restarts from the one at 2, removes the partial directory, and the run ends
     exactly like the uninterrupted one, on the same samples."""
     from ray_ppu import checkpoint
-    from ray_ppu.metrics_log import read_sample_log
+    from ray_ppu.monitor.metrics_log import read_sample_log
 
     out = tmp_path / "killed_in_save"
     cfg, plan = _config(corpus, out, *SAVE_EVERY_2)
@@ -243,7 +243,7 @@ def test_full_checkpoint_disk(ray_cluster, uninterrupted, corpus, small_disk, tm
     import os
 
     from ray_ppu import checkpoint
-    from ray_ppu.metrics_log import read_sample_log
+    from ray_ppu.monitor.metrics_log import read_sample_log
 
     out = tmp_path / "full_disk"
     cfg, plan = _config(corpus, out, *SAVE_EVERY_2)

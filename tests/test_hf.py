@@ -453,7 +453,7 @@ def test_round_trip_is_bit_exact(hf_dirs, launched, tmp_path, kind):
                 len(list(f.keys())) == 1
     assert (out / "generation_config.json").is_file()
     with pytest.raises(ConfigError, match="already holds safetensors weights"):
-        from ray_ppu.hf.export import export
+        from ray_ppu.offline.mcore_to_hf import export
 
         export(launched / f"mcore_{kind}", out)  # stale shards would mix with new ones
     if kind == "qwen_gqa":
@@ -512,7 +512,7 @@ def test_generate_from_torch_dist_matches_transformers(hf_dirs, launched, tmp_pa
 
 
 def _transformer_engine_device() -> bool:
-    from ray_ppu.model import transformer_engine_available
+    from ray_ppu.model.gpt import transformer_engine_available
 
     return torch.cuda.is_available() and transformer_engine_available("ppu")
 
@@ -545,7 +545,7 @@ def test_model_trained_from_scratch_exports_to_transformers(uninterrupted, qwen2
     from transformers import AutoModelForCausalLM
 
     from ray_ppu import checkpoint
-    from ray_ppu.hf.export import export
+    from ray_ppu.offline.mcore_to_hf import export
 
     saved, meta = checkpoint.latest(checkpoint.save_root(uninterrupted["cfg"]))
     assert meta.hf_config is None and meta.model["preset"] == "tiny"
@@ -588,9 +588,9 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
 
     from ray_ppu import checkpoint
     from ray_ppu.data import idxmap, inprocess
-    from ray_ppu.hf.export import export
+    from ray_ppu.offline.mcore_to_hf import export
     from ray_ppu.plan import build_plan
-    from ray_ppu.output import absolute_paths, prepare_output
+    from ray_ppu.launch.output import absolute_paths, prepare_output
 
     hf = tmp_path / "Qwen2-tiny"
     _hf_model("qwen_gqa", vocab_size=151_936, num_hidden_layers=2,
@@ -648,8 +648,9 @@ def _run_layouts(jobs: dict) -> None:
 
     import torch.distributed as dist
 
-    from ray_ppu import inference, parallel
-    from ray_ppu.hf.convert import to_mcore
+    from ray_ppu.model import parallel
+    from ray_ppu.offline import inference
+    from ray_ppu.offline.hf_to_mcore import to_mcore
 
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     out = Path(jobs["out"])

@@ -8,7 +8,7 @@ import yaml
 
 from conftest import REPO
 from ray_ppu.config.loader import load
-from ray_ppu.job_stop import check_stop_wait
+from ray_ppu.launch.job_stop import check_stop_wait
 
 STOP_TIMEOUT = load(None, ["data.data_path=[x]"]).checkpoint.stop_timeout_s
 

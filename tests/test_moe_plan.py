@@ -127,7 +127,7 @@ def test_experts_are_split_by_ep_and_etp_on_each_device():
 
 
 def test_transformer_config_routes_like_qwen3_moe():
-    from ray_ppu.megatron_settings import describe
+    from ray_ppu.model.megatron_settings import describe
 
     cfg = load(None, [*BASE, "cluster.num_workers=2", "parallel.expert_model_parallel_size=2"])
     local = describe(cfg, build_plan(cfg), te=False)
@@ -154,7 +154,7 @@ def test_transformer_config_routes_like_qwen3_moe():
 
 
 def test_memory_plan_splits_experts_by_ep_and_their_optimizer_by_expert_dp():
-    from ray_ppu.memory import GIB, memory_plan
+    from ray_ppu.plan.memory import GIB, memory_plan
     from ray_ppu.plan.arithmetic import expert_parameters_per_device
 
     plans = {}

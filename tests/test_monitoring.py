@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from ray_ppu.config.loader import load
 from ray_ppu.devices.specs import SPECS, peak_tflops, run_peak_tflops
-from ray_ppu.metrics_log import MetricsWriter, progress_line
+from ray_ppu.monitor.metrics_log import MetricsWriter, progress_line
 from ray_ppu.plan import build_plan
-from ray_ppu.ray_gauges import GAUGES
+from ray_ppu.monitor.ray_gauges import GAUGES
 
 from conftest import REPO
 
@@ -80,13 +80,13 @@ def test_grafana_dashboard_charts_every_exported_metric():
 
 
 def test_grafana_dashboard_is_the_generators_output():
-    """The committed board is what ray_ppu/grafana.py builds from GAUGES; after changing a
-    gauge or a panel: python -m ray_ppu.grafana > cluster/grafana/ray_ppu.json"""
-    from ray_ppu.grafana import dashboard_json
+    """The committed board is what ray_ppu/monitor/grafana.py builds from GAUGES; after changing a
+    gauge or a panel: python -m ray_ppu.monitor.grafana > cluster/grafana/ray_ppu.json"""
+    from ray_ppu.monitor.grafana import dashboard_json
 
     committed = (REPO / "cluster" / "grafana" / "ray_ppu.json").read_text()
     assert committed == dashboard_json(), \
-        "stale board: python -m ray_ppu.grafana > cluster/grafana/ray_ppu.json"
+        "stale board: python -m ray_ppu.monitor.grafana > cluster/grafana/ray_ppu.json"
 
 
 def test_tensorboard_gets_the_same_scalars_validation_included(tmp_path):
@@ -161,7 +161,7 @@ def test_sample_log_counts_the_group_that_trained_an_iteration_last(tmp_path):
     replaces it trains iteration 5 again: only the DP 1 group's ids count (the DP-rank-1 line
     of the lost group has no successor and is stale). A restart at the same size replaces
     every line."""
-    from ray_ppu.metrics_log import SampleLog, read_sample_log
+    from ray_ppu.monitor.metrics_log import SampleLog, read_sample_log
 
     lost = [SampleLog(tmp_path, rank, dp_rank=rank, dp_size=2) for rank in (0, 1)]
     lost[0].write(4, [12, 14])

@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_ppu import devices, parallel
+from ray_ppu import devices
+from ray_ppu.model import parallel
 from ray_ppu.config.loader import ConfigError, load
-from ray_ppu.megatron_settings import describe
-from ray_ppu.memory import GIB, memory_plan, offload_fraction
+from ray_ppu.model.megatron_settings import describe
+from ray_ppu.plan.memory import GIB, memory_plan, offload_fraction
 from ray_ppu.plan import build_plan
 from ray_ppu.tools import option_matrix as option_runs
 
@@ -32,8 +33,8 @@ def cfg_plan(*extra):
 @contextlib.contextmanager
 def built(*extra):
     """Model chunks and optimizer of a one-process world, as a worker builds them."""
-    from ray_ppu.model import build_model
-    from ray_ppu.optim import build_optimizer
+    from ray_ppu.model.gpt import build_model
+    from ray_ppu.model.optim import build_optimizer
 
     cfg, plan = cfg_plan(*extra)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -154,7 +155,7 @@ def test_virtual_pipeline_uses_megatrons_unbatched_p2p():
 
 
 def test_gpu_only_option_on_a_worker_without_transformer_engine_is_an_error():
-    from ray_ppu.model import TransformerEngineMissing, transformer_config
+    from ray_ppu.model.gpt import TransformerEngineMissing, transformer_config
 
     cfg, plan = cfg_plan("cluster.device=auto", "training.attention_backend=fused",
                          "training.precision=fp8")

@@ -1,4 +1,4 @@
-"""Per-worker PPU binding (ray_ppu.ray_worker.assigned_device_id) under real Ray Train workers.
+"""Per-worker PPU binding (ray_ppu.launch.ray_worker.assigned_device_id) under real Ray Train workers.
 
 Two TorchTrainers of 2 workers × 1 PPU run at the same time on the session cluster's 4
 simulated PPUs (their workers wait for each other, so all four hold a PPU at once): Ray must
@@ -39,7 +39,7 @@ def _bound_ppu(config: dict) -> list:
     the fallback, asked twice for a resource Ray gave no ids for, with the warnings logged."""
     import ray.train
 
-    from ray_ppu.ray_worker import assigned_device_id
+    from ray_ppu.launch.ray_worker import assigned_device_id
 
     device = assigned_device_id("PPU")
     rank = ray.train.get_context().get_world_rank()

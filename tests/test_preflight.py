@@ -1,4 +1,4 @@
-"""Preflight (ray_ppu.preflight): one pinned Ray task per PPU node checks the run's paths, the
+"""Preflight (ray_ppu.launch.preflight): one pinned Ray task per PPU node checks the run's paths, the
 device and Transformer Engine there, before any index is built or worker placed.
 
 All nodes of the test cluster are this machine; an unwritable place is a path under a regular
@@ -11,12 +11,12 @@ import time
 
 import pytest
 
-from ray_ppu import preflight
+from ray_ppu.launch import preflight
 from ray_ppu.config.loader import load
 from ray_ppu.errors import ClusterError
-from ray_ppu.launcher import launch
+from ray_ppu.launch.launcher import launch
 from ray_ppu.plan import build_plan
-from ray_ppu.output import absolute_paths
+from ray_ppu.launch.output import absolute_paths
 
 from conftest import REPO
 
@@ -122,7 +122,7 @@ def test_workers_without_cpus_beside_their_ppus_are_refused_at_once(ray_cluster,
                                                                     tmp_path):
     """4 workers × 3 CPU on the test cluster's one node of 4 PPU and 8 CPU (1 of them the
     reader's 0.5): the group could never be placed, so the launch says so before it waits."""
-    from ray_ppu.preflight import check_capacity
+    from ray_ppu.launch.preflight import check_capacity
 
     cfg = config(corpus, tmp_path, "cluster.num_workers=4", "cluster.cpus_per_worker=3")
     with pytest.raises(ClusterError, match=r"4 workers × 3 CPU .* hold 2: .*4 PPU, 8 CPU of "

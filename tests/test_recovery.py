@@ -1,10 +1,10 @@
-"""The restart record (ray_ppu.recovery), without Ray: what the controller writes on a failure,
+"""The restart record (ray_ppu.monitor.restarts), without Ray: what the controller writes on a failure,
 and the row the next worker group derives from it and from metrics.jsonl; and what the
 controller unpickles stays free of torch."""
 
 import json
 
-from ray_ppu import recovery
+from ray_ppu.monitor import restarts
 
 
 class WorkerHealthCheckFailedError(RuntimeError):
@@ -18,43 +18,43 @@ class WorkerHealthCheckFailedError(RuntimeError):
 def test_failures_are_kept_per_launch_and_name_their_cause(tmp_path):
     died = WorkerHealthCheckFailedError("A worker health check failed.",
                                         ConnectionError("The actor died unexpectedly\nmore"))
-    recovery.record_failure(tmp_path, "launch-a", {3: died, 1: ValueError("bad batch")})
-    recovery.record_failure(tmp_path, "launch-b", {0: died})
-    (tmp_path / recovery.FAILURES_FILE).open("a").write('{"token": "launch-a", "cut')  # a crash
-    mine = recovery.failures(tmp_path, "launch-a")
+    restarts.record_failure(tmp_path, "launch-a", {3: died, 1: ValueError("bad batch")})
+    restarts.record_failure(tmp_path, "launch-b", {0: died})
+    (tmp_path / restarts.FAILURES_FILE).open("a").write('{"token": "launch-a", "cut')  # a crash
+    mine = restarts.failures(tmp_path, "launch-a")
     assert len(mine) == 1 and mine[0].ranks == (1, 3)
     assert mine[0].cause == "rank 1: ValueError: bad batch"  # the lowest failed rank
-    other = recovery.failures(tmp_path, "launch-b")[0]
+    other = restarts.failures(tmp_path, "launch-b")[0]
     assert other.cause == ("rank 0: WorkerHealthCheckFailedError: A worker health check failed. "
                            "(ConnectionError: The actor died unexpectedly)")
-    assert recovery.failures(tmp_path, "launch-c") == []
+    assert restarts.failures(tmp_path, "launch-c") == []
 
 
 def test_restart_row_counts_lost_iterations_and_recovery_time(tmp_path):
-    failure = recovery.Failure(token="t", detected_at=100.0, cause="rank 1: X", ranks=(1,))
+    failure = restarts.Failure(token="t", detected_at=100.0, cause="rank 1: X", ranks=(1,))
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"iteration": i, "lm_loss": 1.0, "time": 90.0 + i} for i in range(1, 8)]  # 91..97
     rows.append({"iteration": 4, "valid_lm_loss": 1.0, "time": 99.0})  # not a training row
     rows.append({"iteration": 5, "lm_loss": 1.0, "time": 130.0})  # the restarted group's
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    row = recovery.restart_row([failure, failure], 4, "iter_0000004", metrics, 112.5,
+    row = restarts.restart_row([failure, failure], 4, "iter_0000004", metrics, 112.5,
                                restored_from="disk")
     assert row == {"event": "restart", "iteration": 4, "restarts": 2, "cause": "rank 1: X",
                    "failed_ranks": [1], "resumed_from": "iter_0000004",
                    "restored_from": "disk", "iterations_lost": 7 - 4, "recovery_s": 12.5}
-    assert recovery.restart_line(row) == (
+    assert restarts.restart_line(row) == (
         "restart 2 after rank 1: X: resumed at iteration 4 from iter_0000004, 3 iteration(s) "
         "lost, first iteration done 12.5 s after the failure was detected")
     # nothing logged past the checkpoint: nothing lost
-    assert recovery.restart_row([failure], 7, None, metrics, 101.0)["iterations_lost"] == 0
+    assert restarts.restart_row([failure], 7, None, metrics, 101.0)["iterations_lost"] == 0
 
 
 def test_a_declared_hang_is_the_cause_of_the_failure_that_follows(tmp_path):
     """The driver's watchdog writes the hang's cause; the controller's record of the stalled
     workers' deaths takes it (once), so the restart row says why the group was failed."""
-    recovery.record_hang(tmp_path, "t", "hang: no iteration completed for 12 s; rank 1 …")
-    first = recovery.record_failure(tmp_path, "t", {1: RuntimeError("actor died")})
-    second = recovery.record_failure(tmp_path, "t", {0: RuntimeError("actor died")})
+    restarts.record_hang(tmp_path, "t", "hang: no iteration completed for 12 s; rank 1 …")
+    first = restarts.record_failure(tmp_path, "t", {1: RuntimeError("actor died")})
+    second = restarts.record_failure(tmp_path, "t", {0: RuntimeError("actor died")})
     assert first.cause.startswith("hang: no iteration completed for 12 s")
     assert second.cause == "rank 0: RuntimeError: actor died"
 
@@ -71,7 +71,7 @@ def test_what_the_controller_unpickles_imports_no_torch(tmp_path, corpus):
     from test_training import overrides
 
     from ray_ppu.config.loader import load
-    from ray_ppu.launcher import build_trainer
+    from ray_ppu.launch.launcher import build_trainer
     from ray_ppu.plan import build_plan
 
     cfg = load(None, overrides(corpus, tmp_path / "run", "cluster.num_workers=2"))

@@ -1,4 +1,4 @@
-"""The run report (ray_ppu/report/, entrypoints/report.py), rendered in a real browser.
+"""The run report (ray_ppu/monitor/report/, entrypoints/report.py), rendered in a real browser.
 
 The output directory is built by hand (config.yaml, plan.json, metrics.jsonl as a run with a
 checkpoint and a restart writes them); the page is loaded in Debian's headless Chromium, and
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ray_ppu.report import write_report
+from ray_ppu.monitor.report import write_report
 
 from conftest import REPO
 

@@ -16,8 +16,7 @@ import shutil
 import numpy as np
 import pytest
 
-from ray_ppu.errors import PreprocessError
-from ray_ppu.errors import remote_cause
+from ray_ppu.errors import PreprocessError, remote_cause
 from ray_ppu.data.sft import (
     DROP_REASONS,
     ChatEncoder,

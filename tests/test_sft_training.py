@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ray_ppu import devices, parallel
+from ray_ppu import devices
+from ray_ppu.model import parallel
 from ray_ppu.config.loader import load
 from ray_ppu.plan import build_plan
 
@@ -54,7 +55,7 @@ def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out, preset="ti
     """One real Megatron GPTModel (world of 1): the summed token losses of 24 samples packed
     several per row, padded one per row, and packed but unmasked, microbatches of 2 rows."""
     from ray_ppu.data.sft import sft_rows
-    from ray_ppu.model import build_model, packed_format
+    from ray_ppu.model.gpt import build_model, packed_format
     from ray_ppu.train.batch import forward_step
 
     records = arithmetic_records(24, seed=3)
@@ -113,7 +114,7 @@ def test_packed_rows_give_the_padded_losses(sft_files, qwen2_tokenizer_dir, tmp_
 
 
 def _transformer_engine_device() -> bool:
-    from ray_ppu.model import transformer_engine_available
+    from ray_ppu.model.gpt import transformer_engine_available
 
     return torch.cuda.is_available() and transformer_engine_available("ppu")
 
@@ -163,8 +164,8 @@ def test_packed_sft_at_tp2_learns_and_resumes_exactly_under_ray_train(
     from test_checkpoint import kill_a_worker_after, launch_while
 
     from ray_ppu import checkpoint
-    from ray_ppu.metrics_log import read_sample_log
-    from ray_ppu.output import absolute_paths, prepare_output
+    from ray_ppu.monitor.metrics_log import read_sample_log
+    from ray_ppu.launch.output import absolute_paths, prepare_output
 
     cfg = absolute_paths(load(None, sft_overrides(
         sft_files, qwen2_tokenizer_dir, tmp_path / "run", "data.packing=true",

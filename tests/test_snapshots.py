@@ -1,13 +1,13 @@
-"""In-memory snapshots: which snapshot a restarted group takes (ray_ppu.snapshot_keeper), the
+"""In-memory snapshots: which snapshot a restarted group takes (ray_ppu.recovery.snapshot_keeper), the
 keepers as real Ray actors, and a snapshot taken and restored on a real Megatron-Core model and
-distributed optimizer (ray_ppu.snapshot). The end-to-end restore after a killed worker is
+distributed optimizer (ray_ppu.recovery.snapshot). The end-to-end restore after a killed worker is
 test_checkpoint.py::test_killed_worker_restores_from_memory."""
 
 import pytest
 
-from ray_ppu import snapshot_keeper as keeper
+from ray_ppu.recovery import snapshot_keeper as keeper
 
-LAYOUT = (2, 1, 1, 1, 2, 1, 1, 1)  # world 2, DP 2 (ray_ppu.snapshot.layout_of)
+LAYOUT = (2, 1, 1, 1, 2, 1, 1, 1)  # world 2, DP 2 (ray_ppu.recovery.snapshot.layout_of)
 SHRUNK = (1, 1, 1, 1, 1, 1, 1, 1)  # the same model shards at DP 1
 
 
@@ -123,8 +123,8 @@ def test_a_snapshot_restores_the_whole_training_state(precision):
 
     import torch
 
-    from ray_ppu import snapshot
-    from ray_ppu.optim import build_optimizer
+    from ray_ppu.recovery import snapshot
+    from ray_ppu.model.optim import build_optimizer
     from test_options import built
 
     with built(f"training.precision={precision}") as (cfg, plan, model, optimizer):
@@ -163,7 +163,7 @@ def test_pieces_assemble_the_range_a_rank_needs():
     import torch
 
     from ray_ppu.checkpoint import CheckpointError
-    from ray_ppu.snapshot_reshard import assemble
+    from ray_ppu.recovery.snapshot_reshard import assemble
 
     full = torch.arange(10.0)
     pieces = [(5, 10, full[5:10]), (0, 3, full[0:3]), (3, 5, full[3:5])]
@@ -179,8 +179,8 @@ def test_snapshots_need_the_host_memory_the_plan_says(caplog):
     the DP shard of main parameters and Adam) and the launch turns snapshots off, saying so,
     on a node that lacks five times that per PPU."""
     from ray_ppu.config.loader import load
-    from ray_ppu.launcher import _snapshots_fit
-    from ray_ppu.memory import GIB, memory_plan
+    from ray_ppu.launch.launcher import _snapshots_fit
+    from ray_ppu.plan.memory import GIB, memory_plan
     from ray_ppu.plan import build_plan
 
     cfg = load(None, ["model.preset=7B", "cluster.num_workers=16", "training.train_iters=10",

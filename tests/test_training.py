@@ -17,9 +17,9 @@ import pytest
 
 from ray_ppu.config.loader import load
 from ray_ppu.errors import ClusterError
-from ray_ppu.launcher import launch
+from ray_ppu.launch.launcher import launch
 from ray_ppu.plan import build_plan
-from ray_ppu.output import absolute_paths, prepare_output
+from ray_ppu.launch.output import absolute_paths, prepare_output
 
 from conftest import REPO, SIMULATED_PPUS
 
@@ -124,7 +124,7 @@ def test_dp2_on_ray_trains_like_dp1_on_torchrun(baseline, uninterrupted):
 
 
 def test_a_launch_starts_no_ray_data_manager(uninterrupted):
-    """Ray Train's datasets callback is left out (ray_ppu.launcher._Trainer): the readers feed
+    """Ray Train's datasets callback is left out (ray_ppu.launch.launcher._Trainer): the readers feed
     the ranks, and its DatasetManager actor would be a process more at every group start."""
     assert uninterrupted["dataset_managers_started"] == 0
 

@@ -32,7 +32,7 @@ def test_malformed_sft_line_with_on_bad_record_fail_is_one_line(ray_cluster, qwe
     """The launcher's own preparation call: a ConfigError naming file and line, nothing else,
     and no half-written split left in the cache."""
     from ray_ppu.data import sft_store
-    from ray_ppu.launcher import _as_config_error
+    from ray_ppu.launch.launcher import _as_config_error
 
     shard = tmp_path / "train.jsonl"
     lines = [json.dumps(r) for r in GOOD] + ['{"instruction": "oops",'] + [json.dumps(GOOD[0])]

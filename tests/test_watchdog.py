@@ -1,4 +1,4 @@
-"""Hang detection (ray_ppu.watchdog): the decision on the ranks' progress files, the beacon's
+"""Hang detection (ray_ppu.recovery.watchdog): the decision on the ranks' progress files, the beacon's
 files and stack dump, and end to end a SIGSTOPped worker (faults suite)."""
 
 import os
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from ray_ppu import checkpoint, watchdog
+from ray_ppu import checkpoint
+from ray_ppu.recovery import watchdog
 
 
 def rank(r, iteration, at, beat_age=0.5, state="train", world=2, step=1.0):

@@ -3,7 +3,7 @@
 Python, NumPy, torch (and CUDA's, on PPUs) and Megatron-Core's RNG tracker (the named states
 its tensor-parallel dropout uses): a resumed run draws the same numbers as one that never
 stopped. Checkpoints store them per (PP, TP) rank (:func:`_rng_sharded`); in-memory snapshots
-(``ray_ppu.snapshot``) take :func:`capture_rng` as it is.
+(``ray_ppu.recovery.snapshot``) take :func:`capture_rng` as it is.
 
 Megatron-Core is imported inside the functions, not with this module: the driver imports this
 package and must not pay for (or need) Megatron-Core.

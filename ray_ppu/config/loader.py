@@ -119,6 +119,8 @@ def _build_model(values: dict, pretrained: Any = None) -> ModelConfig:
     if not pretrained:  # preset null: every field is in the section (a saved config.yaml)
         base = PRESETS[name] if name is not None else ModelConfig()
         return _build_section(ModelConfig, values, "model", base=base)
+    # The one import back up the layers (tests/test_layout.py): config.json's architecture
+    # is mapped to a ModelConfig beside the weight mapping it must agree with, in ray_ppu.hf.
     from ray_ppu.hf.config import directory_model, require_match
 
     theirs = directory_model(str(pretrained))

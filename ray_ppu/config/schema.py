@@ -256,7 +256,7 @@ class ClusterConfig:
     hang_timeout_s: Optional[float] = None
     """A group that completes no iteration for this long is failed as hung (the stalled ranks'
     stacks logged, the processes killed; Ray Train restarts it as after a crash:
-    ``ray_ppu.watchdog``). None: max(120 s, 10 × the median step, a validation pass), 30 min
+    ``ray_ppu.recovery.watchdog``). None: max(120 s, 10 × the median step, a validation pass), 30 min
     during a save; 0: off."""
     placement_timeout_s: float = 30.0
     """How long the preflight waits for every PPU node's answer (a node that does not answer in

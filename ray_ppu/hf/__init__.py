@@ -6,11 +6,13 @@ Data flow, one module per arrow::
     config.json            -> config.py   ModelConfig (derived, or checked against the preset)
     *.safetensors (+index) -> files.py    header-only checks, slice reads, sharded writes
     HF tensor <-> Megatron -> weights.py  the name and layout mapping, per-rank loading
-    HF directory           -> convert.py  a weights-only torch_dist checkpoint
-    torch_dist checkpoint  -> export.py   one layer at a time, into HF safetensors shards
+
+The conversions built on them (a Hugging Face directory into a weights-only torch_dist
+checkpoint, and a torch_dist checkpoint back, one layer at a time) are
+:mod:`ray_ppu.offline.hf_to_mcore` and :mod:`ray_ppu.offline.mcore_to_hf`.
 
 Training loads through ``checkpoint.pretrained`` (``ray_ppu.train.rank``); generation through
-``ray_ppu.inference``; users through ``entrypoints/convert_checkpoint.py`` and ``generate.py``.
+``ray_ppu.offline.inference``; users through ``entrypoints/convert_checkpoint.py`` and ``generate.py``.
 
 The Megatron side is always the *layout-independent* form that ``dist_checkpointing`` stores
 (``decoder.layers.self_attention.linear_qkv.weight`` with a leading layer axis, the whole

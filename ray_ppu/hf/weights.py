@@ -13,7 +13,7 @@ vocabulary, V' = V padded for TP):
 * ``linear_fc1.weight`` [2f, h] is gate_proj then up_proj (SwiGLU; Megatron re-cuts it per TP
   rank itself: each rank holds its share of both halves).
 * ``word_embeddings`` / ``output_layer`` [V', h]: the V rows of HF, then V' − V padding rows,
-  zeros on load (:func:`ray_ppu.model.mask_padded_vocab` keeps them out of the softmax) and
+  zeros on load (:func:`ray_ppu.model.gpt.mask_padded_vocab` keeps them out of the softmax) and
   dropped on export. A tied output layer reads ``embed_tokens``.
 * The two RMSNorm weights are stored under the names Transformer Engine's fused layers give
   them (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), whatever the spec.

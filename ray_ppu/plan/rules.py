@@ -1,7 +1,7 @@
 """Every rule a config must meet against itself, before any worker starts.
 
 Types are checked when the config loads (:mod:`ray_ppu.config.loader`) and the cluster by the
-preflight (:mod:`ray_ppu.preflight`); every rule between fields lives here, one function per
+preflight (:mod:`ray_ppu.launch.preflight`); every rule between fields lives here, one function per
 area, each returning its problems as lines naming the numbers at fault. :func:`problems`
 collects them all, so a user fixes a config in one pass, not one error at a time.
 """
@@ -15,7 +15,7 @@ from ray_ppu.errors import ConfigError
 from ray_ppu.plan.derived import (expert_sizes, layers_per_chunk, schedule_iterations,
                                   tokens_per_iteration)
 from ray_ppu.plan.layout import ParallelDims, active_workers
-from ray_ppu.te_options import needs_transformer_engine
+from ray_ppu.plan.te_options import needs_transformer_engine
 
 
 def problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:

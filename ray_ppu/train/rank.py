@@ -1,6 +1,6 @@
 """One training process: device → Megatron parallel state → model → optimizer → loop.
 
-No Ray here: Ray Train (``ray_ppu.launcher``) and plain torchrun (``entrypoints/torchrun_pretrain.py``)
+No Ray here: Ray Train (``ray_ppu.launch.launcher``) and plain torchrun (``entrypoints/torchrun_pretrain.py``)
 both call :func:`train_rank` after creating the default process group.
 """
 
@@ -13,12 +13,14 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from ray_ppu import checkpoint, devices, parallel, recovery
+from ray_ppu import checkpoint, devices
+from ray_ppu.model import parallel
+from ray_ppu.monitor import restarts
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices.specs import run_peak_tflops
-from ray_ppu.metrics_log import MetricsWriter, SampleLog
+from ray_ppu.monitor.metrics_log import MetricsWriter, SampleLog
 from ray_ppu.plan import Plan
-from ray_ppu.snapshot import MemoryPoint, Snapshotter, restore
+from ray_ppu.recovery.snapshot import MemoryPoint, Snapshotter, restore
 
 log = logging.getLogger("ray_ppu")
 
@@ -34,7 +36,7 @@ def train_rank(
     resume: Optional[checkpoint.ResumePoint] = None,
     *,
     on_checkpoint: Optional[Callable[[Path, dict], None]] = None,
-    failures: Sequence[recovery.Failure] = (),
+    failures: Sequence[restarts.Failure] = (),
     interruption: Optional[Callable[[int], Optional[str]]] = None,
     on_metrics: Optional[Callable[[dict], None]] = None,
     startup: Optional[dict] = None,
@@ -52,9 +54,9 @@ def train_rank(
     ``interruption(iteration)``: asked after every iteration on every rank, the same answer on
     all: None, ``"save"`` (a node is being drained) or ``"stop"`` (the job is being stopped).
     ``on_metrics(row)``: every logged row, on every rank (Ray's metrics export).
-    ``resume``: a disk checkpoint or an in-memory snapshot (``ray_ppu.snapshot.MemoryPoint``);
+    ``resume``: a disk checkpoint or an in-memory snapshot (``ray_ppu.recovery.snapshot.MemoryPoint``);
     ``snapshots``: takes this rank's in-memory snapshots after the iterations (Ray only).
-    ``progress``: told of every iteration and save (``ray_ppu.watchdog.Beacon``).
+    ``progress``: told of every iteration and save (``ray_ppu.recovery.watchdog.Beacon``).
     ``startup``: seconds per start-up phase so far (the launcher's); rank 0 of a first group
     adds the model build, the first batch's wait and the first step, and logs them once, after
     the first training row (a ``start`` row in metrics.jsonl and a ``start: …`` line).
@@ -72,8 +74,8 @@ def train_rank(
        write their sample log when asked.
     6. Tear down the parallel groups (the process group belongs to the caller).
     """
-    from ray_ppu.model import build_model, packed_format
-    from ray_ppu.optim import build_optimizer
+    from ray_ppu.model.gpt import build_model, packed_format
+    from ray_ppu.model.optim import build_optimizer
     from ray_ppu.train.loop import TrainState, train
     from ray_ppu.train.moe_metrics import expert_load
 
@@ -111,7 +113,7 @@ class _RankDuties:
 
     def __init__(self, cfg: RunConfig, plan: Plan, backend: devices.Backend, batches,
                  start_iteration: int, resume,
-                 failures: Sequence[recovery.Failure], startup: Optional[dict], *,
+                 failures: Sequence[restarts.Failure], startup: Optional[dict], *,
                  on_checkpoint, interruption, on_metrics, snapshots, progress) -> None:
         self.cfg, self.plan, self.batches = cfg, plan, batches
         self.start_iteration, self.resume, self.failures = start_iteration, resume, failures
@@ -195,7 +197,7 @@ class _RankDuties:
 
     def _restart_row(self) -> dict:
         resume = self.resume
-        return recovery.restart_row(
+        return restarts.restart_row(
             list(self.failures), self.start_iteration, Path(resume.path).name if resume else None,
             self.writer.dir / "metrics.jsonl", time.time(),
             restored_from=None if resume is None

@@ -82,7 +82,7 @@ def _config(corpus: str, out: Path, *extra: str):
 
 def child(args) -> None:
     """The elastic scenario, in its own process (its own Ray: a Cluster of simulated nodes)."""
-    from ray_ppu.launcher import launch
+    from ray_ppu.launch.launcher import launch
 
     work = Path(args.dir).resolve()
     result: dict = {}
@@ -98,7 +98,7 @@ def child(args) -> None:
 def _elastic_run(corpus: str, cluster, ppu_nodes: list, out: Path, result: dict) -> None:
     """The elastic run in a thread while this one grows, then shrinks, the cluster."""
     from ray_ppu import checkpoint
-    from ray_ppu.launcher import launch
+    from ray_ppu.launch.launcher import launch
 
     cfg, plan = _config(corpus, out, "cluster.num_workers=4", "cluster.min_workers=2",
                         "parallel.tensor_model_parallel_size=2",

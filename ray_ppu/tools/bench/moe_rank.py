@@ -36,7 +36,7 @@ def main() -> None:
 
     from ray_ppu import devices
     from ray_ppu.config.loader import load
-    from ray_ppu.output import absolute_paths
+    from ray_ppu.launch.output import absolute_paths
 
     runs = json.loads(Path(args.runs).read_text())
     configs = {name: absolute_paths(load(None, [*args.overrides, *extra]))
@@ -68,10 +68,11 @@ def train_timed(cfg, backend) -> dict:
     for ``dispatcher_s``, which all ranks' lists make up: gathered, a collective)."""
     import torch.distributed as dist
 
-    from ray_ppu import devices, parallel
-    from ray_ppu.model import transformer_engine_available
+    from ray_ppu import devices
+    from ray_ppu.model import parallel
+    from ray_ppu.model.gpt import transformer_engine_available
     from ray_ppu.plan import build_plan
-    from ray_ppu.te_options import uses_transformer_engine
+    from ray_ppu.plan.te_options import uses_transformer_engine
 
     plan = build_plan(cfg)
     batches = _batches(cfg, plan)
@@ -96,8 +97,8 @@ def _train(cfg, plan, backend, batches) -> tuple[list[dict], dict]:
     """The loop of ``train_rank`` (model, optimizer, routing statistics, one training row per
     iteration) with a dispatcher clock read after every optimizer step."""
     from ray_ppu import devices
-    from ray_ppu.model import build_model
-    from ray_ppu.optim import build_optimizer
+    from ray_ppu.model.gpt import build_model
+    from ray_ppu.model.optim import build_optimizer
     from ray_ppu.tools.bench.dispatch_clock import DispatcherClock
     from ray_ppu.train.loop import Hooks, TrainState, train
     from ray_ppu.train.moe_metrics import expert_load

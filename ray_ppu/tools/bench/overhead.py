@@ -52,7 +52,7 @@ def build_demo_corpus(extra: list[str]) -> None:
     from ray_ppu.config.loader import load
     from ray_ppu.tools.demo import build_stdlib_corpus
     from ray_ppu.data.tokenizer import qwen2
-    from ray_ppu.output import absolute_paths
+    from ray_ppu.launch.output import absolute_paths
 
     # Every launch resolves the demo's relative corpus path against this directory.
     demo = absolute_paths(load(REPO / "entrypoints" / "configs" / "demo.yaml", extra))

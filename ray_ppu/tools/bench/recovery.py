@@ -74,7 +74,7 @@ def child(args) -> None:
 def _reference_run(corpus: str, out: Path, result: dict) -> None:
     """The same job uninterrupted: the losses the interrupted run must repeat."""
     from ray_ppu import checkpoint
-    from ray_ppu.launcher import launch
+    from ray_ppu.launch.launcher import launch
 
     cfg, plan = run_config(corpus, out)
     t0 = time.time()
@@ -87,7 +87,7 @@ def _reference_run(corpus: str, out: Path, result: dict) -> None:
 def _interrupted_run(args, cluster, ppu_nodes: list, out: Path, result: dict) -> None:
     """The run, with a thread that takes a worker's node away once the checkpoint is there."""
     from ray_ppu import checkpoint
-    from ray_ppu.launcher import launch
+    from ray_ppu.launch.launcher import launch
 
     cfg, plan = run_config(args.corpus, out)
     root = checkpoint.save_root(cfg)

@@ -52,7 +52,7 @@ def simulated_cluster(ppu_nodes: int, head_cpus: int):
     import ray
     from ray.cluster_utils import Cluster
 
-    from ray_ppu.launcher import UNIT_INSTANCE_RESOURCES
+    from ray_ppu.launch.launcher import UNIT_INSTANCE_RESOURCES
 
     # Every raylet started below inherits this: distinct PPU ids per worker.
     os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
@@ -110,7 +110,7 @@ def run_config(corpus: str, out: Path, *extra: str):
     """(cfg, plan) of :func:`recovery_overrides`' run plus ``extra``, its output prepared."""
     from ray_ppu.config.loader import load
     from ray_ppu.plan import build_plan
-    from ray_ppu.output import absolute_paths, prepare_output
+    from ray_ppu.launch.output import absolute_paths, prepare_output
 
     cfg = absolute_paths(load(None, recovery_overrides(corpus, out, *extra)))
     plan = build_plan(cfg)

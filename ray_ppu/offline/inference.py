@@ -1,0 +1,118 @@
+"""Forward passes outside training: a prompt's logits and greedy decoding, from a Hugging Face
+directory or a ray_ppu (torch_dist) checkpoint, at any TP × PP on an initialised process group
+(one process, or torchrun).
+
+A sanity check after training, not a serving engine: every new token runs the whole sequence
+through Megatron's forward-only pipeline schedule again (no KV cache).
+
+What to run and at what layout (:class:`Source`, :func:`open_source`, :func:`inference_config`)
+lives in :mod:`ray_ppu.offline.source`, which imports no Megatron-Core (this module does, through
+``ray_ppu.model.parallel``), so the entry points check a user's layout first; re-exported here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ray_ppu import checkpoint, devices
+from ray_ppu.model import parallel
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.offline.source import Source, inference_config, open_source
+from ray_ppu.plan import Plan
+
+__all__ = ["Source", "built_model", "greedy", "inference_config", "load_weights", "open_source",
+           "prompt_logits"]
+
+
+@contextlib.contextmanager
+def built_model(cfg: RunConfig, plan: Plan, backend: str,
+                local_rank: int = 0) -> Iterator[list]:
+    """This rank's model chunks for forward passes or conversion: bound to its device, in
+    Megatron's parallel groups, zeros until weights are loaded, no DDP (no gradient buffers);
+    the groups are torn down at exit."""
+    from ray_ppu.model.gpt import build_model
+
+    with devices.bound(backend, local_rank):
+        parallel.initialize(plan, cfg.training.seed)
+        try:
+            chunks = build_model(cfg, plan, backend, initialize=False, ddp=False)[0]
+            for chunk in chunks:  # no dropout; a MoE layer at TP > 1 trains only with SP
+                chunk.eval()
+            yield chunks
+        finally:
+            parallel.destroy()
+
+
+def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan) -> None:
+    """Fill the model chunks from ``source`` (each rank reads its own part)."""
+    if source.kind == "hf":
+        from ray_ppu.hf.weights import load_pretrained
+
+        load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
+    else:
+        resume = checkpoint.ResumePoint(str(source.path), source.meta, weights_only=True)
+        checkpoint.load(resume, chunks, None, None, plan, cfg)
+
+
+@torch.no_grad()
+def prompt_logits(chunks: list, tokens: list[int], vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """Logits [len(tokens), vocab_size] (fp32) of every position of ``tokens``, on every rank.
+
+    1. Megatron's forward-only schedule over the pipeline (one microbatch; for interleaved
+       stages one per pipeline stage, all the same sequence, as the schedule needs).
+    2. The last stage gathers its vocabulary slices over TP; the padding is cut off.
+    3. Broadcast from the last stage to the rest of each pipeline.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    n = len(tokens)
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    positions = torch.arange(n, device=device).unsqueeze(0)
+
+    def forward_step(_data, model):
+        output = model(ids, positions, None)
+
+        def gather(output_tensor, non_loss_data=True):
+            return tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor)
+
+        return output, gather
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    interleaved = len(chunks) > 1
+    collected = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=[None] * len(chunks) if interleaved else None,
+        model=chunks, num_microbatches=pp if interleaved else 1, seq_length=n, micro_batch_size=1,
+        forward_only=True, collect_non_loss_data=True)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        logits = collected[0][0, :, :vocab_size].float().contiguous()
+    else:
+        logits = torch.empty(n, vocab_size, dtype=torch.float32, device=device)
+    if pp > 1:
+        dist.broadcast(logits, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return logits
+
+
+def greedy(chunks: list, prompt: list[int], vocab_size: int, device: torch.device,
+           max_new_tokens: int, stop: tuple[int, ...] = ()) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation of ``prompt`` (up to ``max_new_tokens``, ending early at a ``stop``
+    id), and the prompt's own logits [len(prompt), vocab_size]."""
+    ids = list(prompt)
+    first = None
+    for _ in range(max_new_tokens):
+        logits = prompt_logits(chunks, ids, vocab_size, device)
+        if first is None:
+            first = logits
+        token = int(logits[-1].argmax())
+        ids.append(token)
+        if token in stop:
+            break
+    if first is None:
+        first = prompt_logits(chunks, ids, vocab_size, device)
+    return ids[len(prompt):], first

@@ -1,0 +1,180 @@
+"""A ray_ppu checkpoint (torch_dist, saved at any TP / PP / DP) → a Hugging Face directory.
+
+One process, no model, no device, no process group: the checkpoint's metadata gives every
+tensor's global shape; torch.distributed.checkpoint reads one layer's slab of each stored
+tensor at a time (whatever layout wrote it), :func:`ray_ppu.hf.weights.to_hf` cuts it into
+Hugging Face tensors and :class:`ray_ppu.hf.files.ShardedWriter` streams them into ≤ 5 GB
+safetensors shards. Peak memory is one shard plus one layer, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ray_ppu.errors import ConfigError
+from ray_ppu.hf import config as hf_config
+from ray_ppu.hf import weights
+from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, ShardedWriter
+
+# What a Hugging Face model directory carries besides weights and config.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json")
+GENERATION_CONFIG = "generation_config.json"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def hf_dtype_name(dtype: torch.dtype) -> str:
+    """config.json's name of a dtype: torch.bfloat16 → "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def stored_tensors(reader) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{key: (global shape, dtype)} of every tensor in a torch_dist checkpoint (metadata only)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = reader.read_metadata()
+    return {key: (tuple(value.size), value.properties.dtype)
+            for key, value in metadata.state_dict_metadata.items()
+            if isinstance(value, TensorStorageMetadata)}
+
+
+def _reader(path: Path):
+    """A torch_dist reader that unpickles the checkpoint's metadata once, not per read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        _metadata = None
+
+        def read_metadata(self):
+            if self._metadata is None:
+                self._metadata = super().read_metadata()
+            return self._metadata
+
+    return Reader(str(path))
+
+
+def read_regions(reader, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]]) -> None:
+    """Fill each ``{key: (global offset, tensor)}`` with that region of the stored tensor,
+    reading only the chunks it overlaps, whatever layout saved them (torch.distributed
+    .checkpoint with a planner that asks for the regions; no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class RegionPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key, (offset, tensor) in regions.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offset), sizes=tensor.shape)
+                items += create_read_items_for_chunk_list(
+                    key, self.metadata.state_dict_metadata[key], [chunk])
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item):
+            tensor = regions[read_item.dest_index.fqn][1]
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                tensor = tensor.narrow(dim, start, length)
+            return tensor
+
+    dcp.load({}, storage_reader=reader, planner=RegionPlanner(), no_dist=True)
+
+
+def _copy_side_files(sources: list[Path], out: Path) -> list[str]:
+    """Tokenizer files and generation config from the first source directory holding each."""
+    copied = []
+    for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
+        for source in sources:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, out / name)
+                copied.append(name)
+                break
+    return copied
+
+
+def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = None,
+           tokenizer: Optional[str | Path] = None,
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Write the Hugging Face form of a ray_ppu checkpoint into ``out``; returns a summary.
+
+    1. The checkpoint's model config (its meta), stored keys and shapes; every tensor the
+       model needs must be there.
+    2. Layer by layer, then embedding, final norm and output layer: read the slab, cut it into
+       Hugging Face tensors (cast to ``dtype``, default the stored one), stream into shards.
+    3. config.json (the source model's own, when the run started from one), generation config
+       and tokenizer files (from ``tokenizer``, else the source Hugging Face directory).
+    """
+    from ray_ppu.offline.source import open_source
+
+    started = time.perf_counter()
+    source = open_source(checkpoint_path)
+    if source.kind != "mcore":
+        raise ConfigError(f"{checkpoint_path} is already a Hugging Face directory")
+    model, path = source.model, source.path
+    out = Path(out).expanduser().resolve()
+    if any(out.glob("*.safetensors")) or (out / INDEX_FILE).exists():
+        raise ConfigError(f"{out} already holds safetensors weights: export into an empty or new "
+                          f"directory (stale shards would be loaded with the new ones)")
+    reader = _reader(path)
+    stored = stored_tensors(reader)
+    expected = weights.layer_keys(model) + weights.expert_keys(model) + weights.global_keys(model)
+    missing = [k for k in expected if k not in stored]
+    if missing:
+        family = ("Qwen3-MoE" if model.is_moe else "Qwen3" if model.qk_layernorm
+                  else "Qwen2" if model.add_qkv_bias else "LLaMA")
+        raise ConfigError(f"{path}: the checkpoint lacks {', '.join(missing)} (not a "
+                          f"{family} model of this shape?)")
+    if stored[weights.QKV][0][0] != model.num_layers:
+        raise ConfigError(f"{path}: {stored[weights.QKV][0][0]} layers stored, its model config "
+                          f"says {model.num_layers}")
+    padded_vocab = stored[weights.EMBEDDING][0][0]
+    out_dtype = DTYPES[dtype] if dtype else stored[weights.QKV][1]
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ShardedWriter(out, max_shard_bytes)
+
+    def emit(key: str, layer: Optional[int], tensor: torch.Tensor,
+             expert: Optional[int] = None) -> None:
+        for name, part in weights.to_hf(model, padded_vocab, key, layer, tensor, expert):
+            writer.add(name, part.to(out_dtype))
+
+    layers = stored[weights.QKV][0][0]
+    per_layer = weights.layer_keys(model) + weights.expert_keys(model)
+    for layer in range(layers):
+        # one layer's slab of each key (a MoE layer's: all its experts, in expert order)
+        regions = {key: ((layer,) + (0,) * (len(stored[key][0]) - 1),
+                         torch.empty((1, *stored[key][0][1:]), dtype=stored[key][1]))
+                   for key in per_layer}
+        read_regions(reader, regions)
+        for key, (_, tensor) in regions.items():
+            if key in weights.expert_keys(model):
+                for expert, part in enumerate(tensor[0]):
+                    emit(key, layer, part, expert)
+            else:
+                emit(key, layer, tensor[0])
+    regions = {key: ((0,) * len(stored[key][0]), torch.empty(stored[key][0], dtype=stored[key][1]))
+               for key in weights.global_keys(model)}
+    read_regions(reader, regions)
+    for key, (_, tensor) in regions.items():
+        emit(key, None, tensor)
+    files = writer.close()
+
+    meta = source.meta
+    config = hf_config.to_hf(model, hf_dtype_name(out_dtype), meta.hf_config)
+    (out / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    sources = [Path(p) for p in (tokenizer, source.hf_dir) if p]
+    copied = _copy_side_files(sources, out)
+    if GENERATION_CONFIG not in copied:
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+        (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+    return {"checkpoint": str(path), "out": str(out), "files": [f.name for f in files],
+            "bytes": writer.total, "dtype": hf_dtype_name(out_dtype), "copied": copied,
+            "tokenizer": any(name in copied for name in TOKENIZER_FILES),
+            "seconds": time.perf_counter() - started}
