@@ -39,7 +39,7 @@ GENERATED_TOKEN = "generated-token-1a2b3c4d5e6f"
 
 def unit_instance_resources() -> str:
     """The value ray_ppu itself uses (read from the source: importing it pulls in torch)."""
-    tree = ast.parse((REPO / "ray_ppu" / "launcher.py").read_text())
+    tree = ast.parse((REPO / "ray_ppu" / "launch" / "launcher.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
                 getattr(t, "id", None) == "UNIT_INSTANCE_RESOURCES" for t in node.targets):
