@@ -36,6 +36,11 @@ class BlendError(UserError, ValueError):
     """``data_path`` is neither prefixes nor Megatron's ``[weight, prefix, ...]`` blend."""
 
 
+class CrashLoop(UserError, RuntimeError):
+    """The run stopped restarting: its last restarts made no progress (the same failure, or
+    none reaching an iteration: ``ray_ppu.monitor.restarts.crash_loop``)."""
+
+
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be used the way the run asks (found before or while loading)."""
 

@@ -59,6 +59,79 @@ def test_a_declared_hang_is_the_cause_of_the_failure_that_follows(tmp_path):
     assert second.cause == "rank 0: RuntimeError: actor died"
 
 
+def _failure(reached, cause="rank 1: RuntimeError: boom", user_error=None):
+    return restarts.Failure(token="t", detected_at=1.0, cause=cause, ranks=(1,),
+                            reached=reached, user_error=user_error)
+
+
+def test_restarts_that_make_progress_go_on():
+    assert restarts.crash_loop([]) is None
+    assert restarts.crash_loop([_failure(None), _failure(None)]) is None  # only 2 so far
+    # the same cause, but each group got further: a flaky node, not a loop
+    assert restarts.crash_loop([_failure(4), _failure(9), _failure(14)]) is None
+    # the same iteration, other causes: not the same failure
+    assert restarts.crash_loop([_failure(4, "rank 0: ActorDiedError: x"), _failure(4),
+                                _failure(4)]) is None
+    assert restarts.crash_loop([_failure(None), _failure(3), _failure(None)]) is None
+
+
+def test_a_crash_loop_stops_the_run_naming_the_cause_and_the_iteration():
+    loop = restarts.crash_loop([_failure(2), _failure(None), _failure(None), _failure(None)])
+    assert loop.startswith("the run stopped restarting: 3 worker groups in a row failed before "
+                           "completing an iteration (restarts 2-4); the last: rank 1: "
+                           "RuntimeError: boom. Fix the cause"), loop
+    # numbers aside (an allocation size, a pid), the same failure in iteration 8, 3 times
+    same = [_failure(7, f"rank 1: OutOfMemoryError: tried to allocate {n} MiB") for n in (20, 21, 22)]
+    loop = restarts.crash_loop(same)
+    assert ("the same failure 3 times in a row in iteration 8 (restarts 1-3); the last: rank 1: "
+            "OutOfMemoryError: tried to allocate 22 MiB") in loop, loop
+    assert "\n" not in loop
+
+
+def test_a_user_error_in_a_worker_is_not_restarted(tmp_path):
+    from ray_ppu.errors import ConfigError
+
+    failure = restarts.record_failure(tmp_path, "t", {
+        0: RuntimeError("collateral: peer gone"),
+        1: _wrapped(ConfigError("checkpoint.load x: no"))})
+    assert failure.user_error == "checkpoint.load x: no"
+    assert restarts.failures(tmp_path, "t")[0].user_error == "checkpoint.load x: no"
+    assert restarts.crash_loop([failure]) == (
+        "checkpoint.load x: no (not restarted: the same run fails the same way)")
+    plain = restarts.record_failure(tmp_path, "t", {0: RuntimeError("actor died")})
+    assert plain.user_error is None and restarts.crash_loop([plain]) is None
+
+
+def _wrapped(err):
+    """What a worker's exception looks like at the controller: Ray's wrapper, the cause inside."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        raise err
+    except Exception as inner:
+        return RayTaskError("train_fn", "traceback text", inner).as_instanceof_cause()
+
+
+def test_the_controller_records_how_far_the_failed_group_got(tmp_path):
+    from ray_ppu.launch.train_controller import FailureRecorder
+    from ray_ppu.recovery.watchdog import Beacon
+
+    recorder = FailureRecorder(tmp_path, "t")
+    recorder.after_exception(None, {0: RuntimeError("early")})  # no progress files: none
+    beacons = [Beacon(tmp_path, "t", rank=r, world=2, node_id="n") for r in (0, 1)]
+    try:
+        beacons[0].after(6)
+        beacons[1].after(5)
+        beacons[0].saving([])  # written at once, with the iteration the thread may not have
+        beacons[1].saving([])
+    finally:
+        for b in beacons:
+            b.close()
+    recorder.after_exception(None, {1: RuntimeError("later")})
+    first, second = restarts.failures(tmp_path, "t")
+    assert (first.reached, second.reached) == (None, 6)
+
+
 def test_what_the_controller_unpickles_imports_no_torch(tmp_path, corpus):
     """Ray Train's controller unpickles the trainer's failure recorder and backend config
     before it asks for any worker: unpickled in a fresh interpreter (as the controller does),

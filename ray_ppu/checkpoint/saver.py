@@ -22,7 +22,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -150,8 +150,11 @@ class Saver:
             _start_writer_results_queue()
 
 
-    def save(self, iteration: int, model: list, optimizer, scheduler, tag=None) -> list[tuple]:
-        """Start (async) or write (sync) the checkpoint after ``iteration`` iterations.
+    def save(self, iteration: int, model: list, optimizer, scheduler, tag=None,
+             on_dir: Optional[Callable[[Path], None]] = None) -> list[tuple]:
+        """Start (async) or write (sync) the checkpoint after ``iteration`` iterations;
+        ``on_dir`` is told the directory it writes as soon as it exists (the hang watchdog
+        watches it grow).
 
         1. Rank 0 creates a fresh ``iter_…`` directory; every rank learns its name.
         2. Every rank writes (or stages) its shards of model, optimizer and RNG states
@@ -168,6 +171,8 @@ class Saver:
         )
 
         path = _new_dir(self.root, iteration)
+        if on_dir is not None:
+            on_dir(path)
         state = _sharded_state(model, optimizer, is_loading=False)
         state["iteration"] = iteration
         state["consumed_samples"] = consumed_samples(iteration, self.plan.global_batch_size)
@@ -206,6 +211,10 @@ class Saver:
     def wait(self) -> list[tuple]:
         """Complete every background save (end of training)."""
         return self.poll(blocking=True)
+
+    def in_flight(self) -> list[Path]:
+        """The directories background saves are still writing."""
+        return [entry[0] for entry in self.pending.values()]
 
     def _complete(self, path: Path, iteration: int, tag, error: Optional[str] = None,
                   weights_only: bool = False) -> tuple:

@@ -251,13 +251,20 @@ class ClusterConfig:
     """Name of the custom Ray resource that counts devices on a node."""
     simulated_ppus: int = 0
     """Embedded local Ray only: PPU units to advertise (0 = num_workers × ppu_per_worker)."""
-    max_failures: int = 0
-    """Worker-group restarts Ray Train attempts after a failure (-1 = unlimited)."""
+    max_failures: int = -1
+    """Worker-group restarts Ray Train attempts after a worker or node failure (or a hang);
+    -1 = unlimited, the default: a long run on many nodes loses some, and each restart costs
+    seconds. A run whose restarts make no progress stops all the same, with one error naming
+    the cause: 3 groups in a row failing before an iteration, or in the same iteration with
+    the same cause (``ray_ppu.monitor.restarts.crash_loop``). 0: no restarts."""
     hang_timeout_s: Optional[float] = None
     """A group that completes no iteration for this long is failed as hung (the stalled ranks'
     stacks logged, the processes killed; Ray Train restarts it as after a crash:
-    ``ray_ppu.recovery.watchdog``). None: max(120 s, 10 × the median step, a validation pass), 30 min
-    during a save; 0: off."""
+    ``ray_ppu.recovery.watchdog``). None: max(120 s, 10 × the median step, a validation pass).
+    Progress is a completed iteration or, during a save, bytes reaching the checkpoint
+    directory: a save that writes nothing this long is a hang too. Before a group's first
+    iteration the ranks have 30 min (model build, checkpoint load) unless one stops
+    answering. 0: off."""
     placement_timeout_s: float = 30.0
     """How long the preflight waits for every PPU node's answer (a node that does not answer in
     time is a problem); a cluster short of PPUs or CPUs fails at once, without waiting."""

@@ -31,7 +31,7 @@ from ray.train.torch import TorchTrainer
 from ray_ppu import checkpoint, devices
 from ray_ppu.launch import job_stop, preflight, ray_worker
 from ray_ppu.recovery import snapshot_keeper, watchdog
-from ray_ppu.errors import ClusterError, ConfigError
+from ray_ppu.errors import ClusterError, ConfigError, CrashLoop
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
 from ray_ppu.data.sampler import valid_start, valid_steps
@@ -199,6 +199,8 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         if result.error is not None:
             raise result.error
         final = result.return_value or {}
+        if "crash_loop" in final:
+            raise CrashLoop(final["crash_loop"])
         if "stopped_at" in final:
             log.warning("stopped at iteration %d of %d with a checkpoint: run the same config "
                         "again to resume", final["stopped_at"], plan.train_iters)

@@ -102,6 +102,11 @@ def train_worker(payload: dict) -> dict:
     cfg: RunConfig = payload["cfg"]
     backend: devices.Backend = payload["backend"]
     token: str = payload["token"]
+    root = checkpoint.save_root(cfg)
+    # every rank reads the same records: all stop alike, the run ends with the reason
+    looping = restarts.crash_loop(restarts.failures(root, token))
+    if looping is not None:
+        return {"crash_loop": looping}
     context = ray.train.get_context()
     world = context.get_world_size()
     # An elastic group can be smaller than planned, and any size: the workers past the last
@@ -137,7 +142,6 @@ def train_worker(payload: dict) -> dict:
     # (2 s), so frequent reports would throttle training. Metrics go to metrics.jsonl and
     # TensorBoard; the final metrics come back as the run's return value. Checkpoints are
     # reported (save points only), so Ray Train knows them and deletes the oldest.
-    root = checkpoint.save_root(cfg)
     interruption = _Interruptions(root / f"{STOP}{token}", backend,
                                   # get_preemption_info is a barrier over every worker, and the
                                   # spares do not follow the iterations
@@ -149,9 +153,9 @@ def train_worker(payload: dict) -> dict:
     # setup: ours (Megatron-Core's model code: 2.4 s), where to start, the data streams
     phases = {**payload["phases"], "group": group_started - payload["fit_called_at"],
               "setup": time.time() - group_started}
-    beacon = (watchdog.Beacon(root, token, dist.get_rank(), plan.world_size,
-                              ray.get_runtime_context().get_node_id())
-              if cfg.cluster.hang_timeout_s != 0 else None)
+    # progress files: the driver's hang watchdog and the crash-loop guard both read them
+    beacon = watchdog.Beacon(root, token, dist.get_rank(), plan.world_size,
+                             ray.get_runtime_context().get_node_id())
     try:
         final = train_rank(cfg, plan, backend, device_id, batches, valid_batches,
                            start_iteration, resume, on_checkpoint=_report_checkpoint,
@@ -159,8 +163,7 @@ def train_worker(payload: dict) -> dict:
                            on_metrics=exported, startup=phases, snapshots=snapshots,
                            progress=beacon)
     finally:
-        if beacon is not None:
-            beacon.close()
+        beacon.close()
     if plan.spare_workers and context.get_world_rank() == 0:  # the spares may go now
         (root / f"{_FINISHED}{token}").touch()
     return {**final, "world_size": plan.world_size, "spare_workers": plan.spare_workers}

@@ -14,6 +14,7 @@ from pathlib import Path
 import ray.train
 
 from ray_ppu.monitor import restarts
+from ray_ppu.recovery.watchdog import read_group
 
 log = logging.getLogger("ray_ppu")
 
@@ -26,7 +27,12 @@ class FailureRecorder(ray.train.UserCallback):
         self.root, self.token = root, token
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
-        failure = restarts.record_failure(self.root, self.token, worker_exceptions)
+        # how far the failed group got: its ranks' progress files (those written since the
+        # last failure), which the next group reads to tell progress from a crash loop
+        history = restarts.failures(self.root, self.token)
+        ranks = read_group(self.root, self.token, history[-1].detected_at if history else 0.0)
+        reached = max((r["iteration"] for r in ranks if r["iteration"] is not None), default=None)
+        failure = restarts.record_failure(self.root, self.token, worker_exceptions, reached)
         log.warning("worker group failed (%s); Ray Train restarts it if "
                     "cluster.max_failures allows", failure.cause)
 

@@ -86,6 +86,9 @@ def transformer_settings(cfg: RunConfig, plan, te: bool) -> dict:
         cpu_offloading_num_layers=mem.activation_offload_layers,
         cpu_offloading_activations=True,
         cpu_offloading_weights=False,
+        # no CUDA graphs are captured (cuda_graph_impl stays "none"); Megatron-Core's default
+        # scope, "full", only makes every rank warn that it is deprecated
+        cuda_graph_scope=[],
     )
     if m.is_moe:
         settings.update(moe_settings(cfg, plan, te))

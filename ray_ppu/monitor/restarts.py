@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
+
+from ray_ppu.errors import UserError, remote_cause
 
 log = logging.getLogger("ray_ppu")
 
@@ -35,6 +38,12 @@ class Failure:
     """The first failed rank's error: exception type and first line."""
     ranks: tuple
     """The world ranks that reported an error."""
+    reached: Optional[int] = None
+    """The highest iteration a rank of the failed group had completed (its progress files);
+    None: the group failed before completing one."""
+    user_error: Optional[str] = None
+    """The message of a :class:`ray_ppu.errors.UserError` a rank raised (a config, input or
+    checkpoint problem: the same run fails the same way again), else None."""
 
 
 def cause_of(errors: dict) -> str:
@@ -48,20 +57,36 @@ def cause_of(errors: dict) -> str:
     return f"{text} ({_first_line(inner)})" if inner is not None else text
 
 
+def _user_error(errors: dict) -> Optional[str]:
+    """The first rank's UserError message inside Ray's wrappers, if a rank raised one."""
+    for rank in sorted(errors):
+        try:
+            found = remote_cause(errors[rank], (UserError,)) or (
+                errors[rank] if isinstance(errors[rank], UserError) else None)
+        except Exception:  # never in the way of the record
+            found = None
+        if found is not None:
+            return str(found)
+    return None
+
+
 def _first_line(err: BaseException) -> str:
     lines = [line for line in str(err).strip().splitlines() if line.strip()] or [""]
     return f"{type(err).__name__}: {lines[0][:200]}"
 
 
-def record_failure(root: str | Path, token: str, errors: dict) -> Failure:
-    """Append a failure (``errors``: world rank → exception) to ``<root>/failures.jsonl``.
+def record_failure(root: str | Path, token: str, errors: dict,
+                   reached: Optional[int] = None) -> Failure:
+    """Append a failure (``errors``: world rank → exception; ``reached``: the failed group's
+    highest completed iteration) to ``<root>/failures.jsonl``.
 
     Never raises: it runs in Ray Train's controller, which must go on restarting the group
     even when the record cannot be written (a full disk); the restart then goes unreported.
     """
     failure = Failure(token=token, detected_at=time.time(),
                       cause=_take_hang(root, token) or cause_of(errors),
-                      ranks=tuple(sorted(errors)))
+                      ranks=tuple(sorted(errors)), reached=reached,
+                      user_error=_user_error(errors))
     path = Path(root) / FAILURES_FILE
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,6 +133,37 @@ def failures(root: str | Path, token: str) -> list[Failure]:
         if values.get("token") == token:
             found.append(Failure(**{**values, "ranks": tuple(values.get("ranks", ()))}))
     return found
+
+
+# Restarts that make no progress: this many in a row stop the run (crash_loop).
+CRASH_LOOP_REPEATS = 3
+
+
+def crash_loop(history: list[Failure], repeats: int = CRASH_LOOP_REPEATS) -> Optional[str]:
+    """The one-line error a run stops with instead of restarting again, or None.
+
+    * the last failure was a user error (a config, input or checkpoint problem): it would
+      fail the same way again, so its own message;
+    * the last ``repeats`` groups all failed before completing an iteration, or all in the
+      same iteration with the same cause (numbers aside: pids, addresses and sizes differ
+      between attempts). A deterministic bug (an out-of-memory at one step, a bad batch, a
+      broken install) would otherwise restart for ever under the default unlimited
+      ``cluster.max_failures``.
+    """
+    if history and history[-1].user_error is not None:
+        return f"{history[-1].user_error} (not restarted: the same run fails the same way)"
+    last = history[-repeats:]
+    if repeats < 1 or len(last) < repeats:
+        return None
+    if all(f.reached is None for f in last):
+        why = f"{repeats} worker groups in a row failed before completing an iteration"
+    elif len({(f.reached, re.sub(r"\d+", "#", f.cause)) for f in last}) == 1:
+        why = f"the same failure {repeats} times in a row in iteration {last[-1].reached + 1}"
+    else:
+        return None
+    return (f"the run stopped restarting: {why} (restarts {len(history) - repeats + 1}-"
+            f"{len(history)}); the last: {last[-1].cause}. Fix the cause and run the same "
+            f"config again to resume from the last checkpoint")
 
 
 def last_logged_iteration(metrics_file: str | Path, before: float) -> Optional[int]:

@@ -4,23 +4,30 @@ A rank that stops without dying (a stuck collective, a wedged device, a frozen p
 partition that leaves the process alive) is invisible to Ray Train for 10 minutes (its worker
 health check) and to torch.distributed for 30 (the process-group timeout). So:
 
-* **On every rank** (:class:`Beacon`, no Ray): after each iteration the rank writes its
-  progress — iteration, time, median step, pid, node — to ``<save root>/progress/<token>/``
-  (one small file per rank, replaced atomically), and a thread touches a heartbeat file every
-  :data:`BEAT_S`. Python's ``faulthandler`` is armed on SIGUSR1 to dump every thread's stack
-  into that directory: it is a C-level signal handler, so it answers even while the training
-  thread is stuck inside a collective.
-* **On the driver** (:class:`Watchdog`, a thread beside ``fit()``): once every rank of the
-  current group has completed an iteration, no completed iteration on any rank for
-  ``cluster.hang_timeout_s`` (default: max(120 s, 10 × the slowest rank's median step,
-  ``eval_iters`` steps for a validation pass); 30 min while a rank is saving) means a hang.
-  The stalled ranks are those whose heartbeat stopped (a frozen process); if every process
-  still beats, the ranks behind the others; if none is behind, all (a collective or device
-  that never returns). A heartbeat late but not yet stale holds the verdict until it is one
-  or the other. The watchdog writes the cause for the controller's failure record
-  (the restart row then says ``cause: hang: …``), asks each stalled process for its stacks
-  (SIGUSR1), logs them, and SIGKILLs it, from a task on its node: Ray Train sees the worker
-  die and restarts the group as after a crash.
+* **On every rank** (:class:`Beacon`, no Ray): the rank's progress — its last completed
+  iteration and when, its median step, whether a save is running and into which directory,
+  pid, node — is kept in ``<save root>/progress/<token>/`` (one small file per rank, replaced
+  atomically by the heartbeat thread, off the training step's path; a save's start and end
+  are written at once), and the same thread touches a heartbeat file every :data:`BEAT_S`.
+  Python's ``faulthandler`` is armed on SIGUSR1 to dump every thread's stack into that
+  directory: it is a C-level signal handler, so it answers even while the training thread is
+  stuck inside a collective.
+* **On the driver** (:class:`Watchdog`, a thread beside ``fit()``): no progress on any rank
+  for ``cluster.hang_timeout_s`` (default: max(120 s, 10 × the slowest rank's median step,
+  ``eval_iters`` steps for a validation pass)) means a hang. Progress is a completed
+  iteration, a save's start or end, or, while a save runs, bytes reaching its checkpoint
+  directory (the driver sums the directory's files every poll): a save that writes is never
+  a hang however long it takes, one that writes nothing for the timeout is (stopped writers,
+  a hung shared filesystem). Before the group's first iteration the ranks have
+  :data:`STARTUP_TIMEOUT_S` (imports, the model build, a checkpoint load) unless one of them
+  stops answering. The stalled ranks are those whose heartbeat stopped (a frozen process);
+  if every process still beats, the ranks whose save stopped writing, else the ranks behind
+  the others; if none is behind, all (a collective or device that never returns). A
+  heartbeat late but not yet stale holds the verdict until it is one or the other. The
+  watchdog writes the cause for the controller's failure record (the restart row then says
+  ``cause: hang: …``), asks each stalled process for its stacks (SIGUSR1), logs them, and
+  SIGKILLs it with its child processes (a save's writers), from a task on its node: Ray
+  Train sees the worker die and restarts the group as after a crash.
 
 Why files and not Ray calls for the beats: a beat must not depend on the process it vouches
 for being able to reach Ray, and the save root is already shared storage every node writes
@@ -49,7 +56,9 @@ BEAT_S = 1.0
 STALE_BEAT_S = 10.0  # a heartbeat older than this: the process stopped answering
 LATE_BEAT_S = 3 * BEAT_S  # older than this but not stale: no verdict yet (see hang_cause)
 MIN_TIMEOUT_S = 120.0
-SAVE_TIMEOUT_S = 1800.0  # a durable save may take long at scale; saves that fail are reported
+# the first iteration of a group: imports, the model build and a checkpoint load, which at
+# scale read tens of GB per node from shared storage; a rank that stops answering is not given it
+STARTUP_TIMEOUT_S = 1800.0
 POLL_S = 1.0
 
 
@@ -69,44 +78,64 @@ class Beacon:
     def __init__(self, root: Path, token: str, rank: int, world: int, node_id: str) -> None:
         self.dir = progress_dir(root, token)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.rank, self.world, self.node_id = rank, world, node_id
-        self.started = time.time()
+        self.rank = rank
         self._steps: list[float] = []
         self._last: Optional[float] = None
+        self._info = {"rank": rank, "world": world, "pid": os.getpid(), "node": node_id,
+                      "group_started": time.time(), "iteration": None, "state": "starting",
+                      "time": time.time(), "step_s": None, "save_dirs": []}
+        self._lock = threading.Lock()
+        self._dirty = False
         self._stacks = open(self.dir / f"stacks_{rank}.txt", "w")
         faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
         self._stop = threading.Event()
-        self._write(None, "starting")
+        self._flush()
+        (self.dir / f"beat_{rank}").touch()  # readable at once, before the thread's first beat
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         beat = self.dir / f"beat_{self.rank}"
         while not self._stop.is_set():
+            if self._dirty:
+                self._flush()
             beat.touch()
             self._stop.wait(BEAT_S)
 
-    def _write(self, iteration: Optional[int], state: str) -> None:
-        atomic_write_text(self.dir / f"rank_{self.rank}.json", json.dumps({
-            "rank": self.rank, "world": self.world, "pid": os.getpid(), "node": self.node_id,
-            "group_started": self.started, "iteration": iteration, "state": state,
-            "time": time.time(),
-            "step_s": statistics.median(self._steps[-20:]) if self._steps else None}),
-            fsync=False)
+    def _flush(self) -> None:
+        with self._lock:
+            text, self._dirty = json.dumps(self._info), False
+        atomic_write_text(self.dir / f"rank_{self.rank}.json", text, fsync=False)
+
+    def _update(self, now: bool, **changes) -> None:
+        """Change the progress; written at once (``now``: a save's start or end, rare) or by
+        the heartbeat thread within :data:`BEAT_S` (an iteration: no file write on the step)."""
+        with self._lock:
+            self._info.update(changes, time=time.time())
+            self._dirty = True
+        if now:
+            self._flush()
 
     def after(self, iteration: int, *_) -> None:
         now = time.perf_counter()
         if self._last is not None:
             self._steps.append(now - self._last)
         self._last = now
-        self._write(iteration, "train")
+        self._update(False, iteration=iteration, state="train",
+                     step_s=statistics.median(self._steps[-20:]) if self._steps else None)
 
-    def saving(self, iteration: int) -> None:
-        self._write(iteration, "save")
+    def saving(self, dirs: list) -> None:
+        """A save (or the wait for background saves) started, writing into ``dirs``."""
+        self._update(True, state="save", save_dirs=[str(d) for d in dirs])
+
+    def saved(self) -> None:
+        self._update(True, state="train", save_dirs=[])
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        if self._dirty:
+            self._flush()
         faulthandler.unregister(signal.SIGUSR1)
         self._stacks.close()
 
@@ -127,44 +156,86 @@ def read_group(root: Path, token: str, after: float) -> list[dict]:
     return sorted(ranks, key=lambda r: r["rank"])
 
 
-def hang_cause(ranks: list[dict], timeout_s: Optional[float], eval_iters: int,
-               now: float) -> Optional[tuple[str, list[dict]]]:
+def hang_cause(ranks: list[dict], timeout_s: Optional[float], eval_iters: int, now: float,
+               save_progress: Optional[float] = None) -> Optional[tuple[str, list[dict]]]:
     """``(cause, stalled ranks)`` when the group in ``ranks`` hangs, else None (module
-    docstring). Nothing is decided before every rank has completed an iteration."""
-    if not ranks or len(ranks) < ranks[0]["world"] or any(r["iteration"] is None for r in ranks):
+    docstring). ``save_progress``: when the running save's directory last grew (the driver's
+    measure), None when no save runs. Nothing is decided before every rank has a file."""
+    if not ranks or len(ranks) < ranks[0]["world"]:
         return None
     limit = timeout_s or default_timeout([r["step_s"] for r in ranks if r["step_s"]], eval_iters)
-    if any(r["state"] == "save" for r in ranks):
-        limit = max(limit, SAVE_TIMEOUT_S)
-    quiet = now - max(r["time"] for r in ranks)
+    frozen = [r for r in ranks if r["beat_age_s"] > STALE_BEAT_S]
+    starting = any(r["iteration"] is None for r in ranks)
+    if starting and not frozen:
+        limit = max(limit, STARTUP_TIMEOUT_S)
+    last = max([r["time"] for r in ranks] + [save_progress or 0.0])
+    quiet = now - last
     if quiet <= limit:
         return None
-    frozen = [r for r in ranks if r["beat_age_s"] > STALE_BEAT_S]
     if not frozen and any(r["beat_age_s"] > LATE_BEAT_S for r in ranks):
         # a heartbeat has stopped but is not stale yet (a rank frozen right after its last
         # iteration, with a timeout near STALE_BEAT_S): decide once it beats or goes stale,
         # at most STALE_BEAT_S later, rather than call a frozen rank alive
         return None
-    lowest = min(r["iteration"] for r in ranks)
+    done = [r["iteration"] for r in ranks if r["iteration"] is not None]
+    lowest = min(done, default=None)
     behind = [r for r in ranks if r["iteration"] == lowest]
+    saving = [r for r in ranks if r["state"] == "save"]
+    what = "no progress" if starting or saving else "no iteration completed"
     if frozen:
         why = "; ".join(f"rank {r['rank']} stopped answering (no heartbeat for "
-                        f"{r['beat_age_s']:.0f} s, at iteration {r['iteration']})" for r in frozen)
+                        f"{r['beat_age_s']:.0f} s, {_where(r)})" for r in frozen)
         stalled = frozen
+    elif saving:
+        why = (f"the checkpoint save after iteration {max(done, default=0)} wrote nothing "
+               f"(rank(s) {[r['rank'] for r in saving]} saving, alive): its writers or the "
+               f"storage stopped")
+        stalled = saving
+    elif starting:
+        why = (f"rank(s) {[r['rank'] for r in ranks if r['iteration'] is None]} alive and "
+               f"still starting (no first iteration)")
+        stalled = [r for r in ranks if r["iteration"] is None]
     elif len(behind) < len(ranks):
         why = (f"rank(s) {[r['rank'] for r in behind]} behind at iteration {lowest}, alive "
-               f"(the others at {max(r['iteration'] for r in ranks)})")
+               f"(the others at {max(done)})")
         stalled = behind
     else:
         why = (f"every rank alive at iteration {lowest} and none completing (a collective or "
                f"device that does not return)")
         stalled = ranks
-    return (f"hang: no iteration completed for {quiet:.0f} s (timeout {limit:.0f} s); {why}",
-            stalled)
+    return f"hang: {what} for {quiet:.0f} s (timeout {limit:.0f} s); {why}", stalled
+
+
+def _where(rank: dict) -> str:
+    if rank["iteration"] is None:
+        return "before its first iteration"
+    if rank["state"] == "save":
+        return f"saving after iteration {rank['iteration']}"
+    return f"at iteration {rank['iteration']}"
+
+
+def save_bytes(dirs: set) -> int:
+    """Bytes of the files in the checkpoint directories being written (torch_dist writes
+    them flat): one listing per directory."""
+    total = 0
+    for d in dirs:
+        try:
+            with os.scandir(d) as entries:
+                for entry in entries:
+                    try:
+                        total += entry.stat().st_size if entry.is_file() else 0
+                    except OSError:  # renamed or removed meanwhile
+                        pass
+        except OSError:  # not made yet, or removed (a failed save)
+            pass
+    return total
 
 
 def _end_process(pid: int, stacks: str) -> str:
-    """On the rank's node: its stacks (SIGUSR1, faulthandler), then SIGKILL."""
+    """On the rank's node: its stacks (SIGUSR1, faulthandler), then SIGKILL for it and its
+    child processes (a save's writers, which would outlive it, stopped or stuck)."""
+    import psutil
+
     text = ""
     try:
         os.kill(pid, signal.SIGUSR1)
@@ -173,9 +244,14 @@ def _end_process(pid: int, stacks: str) -> str:
     except OSError:
         pass
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    for proc in [pid] + [c.pid for c in children]:
+        try:
+            os.kill(proc, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     return text
 
 
@@ -200,11 +276,16 @@ class Watchdog:
 
     def _watch(self) -> None:
         handled = 0.0  # groups started before this were dealt with
+        written, grew = None, None  # the running save's bytes, and when they last changed
         while not self._stop.wait(POLL_S):
             history = restarts.failures(self.root, self.token)
             after = max([handled] + [f.detected_at for f in history])
-            found = hang_cause(read_group(self.root, self.token, after), self.timeout_s,
-                               self.eval_iters, time.time())
+            ranks = read_group(self.root, self.token, after)
+            dirs = {d for r in ranks if r["state"] == "save" for d in r.get("save_dirs", ())}
+            size = save_bytes(dirs) if dirs else None
+            if size != written:
+                written, grew = size, time.time() if size is not None else None
+            found = hang_cause(ranks, self.timeout_s, self.eval_iters, time.time(), grew)
             if found is None:
                 continue
             cause, stalled = found

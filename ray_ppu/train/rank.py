@@ -205,11 +205,13 @@ class _RankDuties:
 
     def on_save(self, iteration: int, metrics: dict) -> None:
         tag = {"metrics": metrics, "started": time.perf_counter(), "blocked_s": None}
-        if self.progress is not None:  # a save may take longer than an iteration
-            self.progress.saving(iteration)
-        s = self.state
+        s, progress = self.state, self.progress
+        # a save may take longer than an iteration: the watchdog watches its directory grow
+        on_dir = (lambda path: progress.saving([path])) if progress is not None else None
         self.saving(lambda: self.saver.save(iteration, s.model, s.optimizer, s.scheduler,
-                                            tag=tag))
+                                            tag=tag, on_dir=on_dir))
+        if progress is not None:
+            progress.saved()
         # async: the state is staged and training goes on (sync: already complete)
         tag["blocked_s"] = time.perf_counter() - tag["started"]
 
@@ -236,7 +238,11 @@ class _RankDuties:
 
     def finish(self, final: dict) -> dict:
         """Background saves finish (and are reported) before the result is returned."""
+        if self.progress is not None and self.saver.in_flight():
+            self.progress.saving(self.saver.in_flight())
         self.saving(self.saver.wait)
+        if self.progress is not None:
+            self.progress.saved()
         return {**self.logged, **final, **self.counts}
 
     def close(self) -> None:

@@ -244,7 +244,10 @@ def _event_counts(run: Run) -> list[tuple[str, str]]:
     counts = {}
     for row in run.events:
         counts.setdefault(str(row.get("event")), []).append(row)
-    items = [("restarts", str(len(counts.get("restart", []))))]
+    allowed = ((run.config or {}).get("cluster") or {}).get("max_failures")
+    items = [("restarts", str(len(counts.get("restart", []))) + (
+        "" if allowed is None else " (cluster.max_failures: "
+        f"{'unlimited' if allowed < 0 else allowed}; a crash loop stops the run)"))]
     saved = counts.get("checkpoint", [])
     items.append(("checkpoints", f"{len(saved)}" + (
         f" (last at iteration {format_value(saved[-1].get('iteration'))})" if saved else "")))
