@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# as under Ray (ray_ppu.launch.process_group): before torch touches CUDA; the user's value wins
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

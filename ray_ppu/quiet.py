@@ -2,21 +2,45 @@
 
 Every process that runs our code imports :mod:`ray_ppu` before torch or Megatron-Core (the
 driver, Ray Train's workers unpickling their function, Ray tasks and actors), so the package
-installs these filters on import. Each names one notice exactly; everything else still shows.
+installs these filters on import. Ray's own processes (its controller, Ray Data's workers) are
+not ours: what they print reaches the driver through Ray's log forwarding, which
+:func:`filter_forwarded_logs` filters there. Each filter names one notice exactly; everything
+else still shows.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from typing import Optional
 
 # Megatron-Core warns at import, in four modules and on every rank, that Transformer Engine and
 # Apex are missing and it falls back to its own kernels. Where a run's options need Transformer
 # Engine, the preflight says so in one line before anything starts (ray_ppu.devices); on CPU
 # the fallback is the only path.
-_MESSAGES = (r"Transformer Engine and Apex are not installed",)
+# Without Apex, Megatron-Core's local layer spec says at import (twice: models/backends.py and
+# gpt_layer_specs.py) that it uses torch's norm: that is the local spec's norm by design here,
+# and TE runs use TE's fused norm either way.
+_MESSAGES = (r"Transformer Engine and Apex are not installed",
+             r"Apex is not installed\. Falling back to Torch Norm")
 # Megatron-FSDP (which we do not use) logs at import which of its back ends it found.
 _QUIET_LOGGERS = ("megatron.core.distributed.fsdp",)
+
+
+# Lines other Ray processes print that the driver does not forward (exact text, and why):
+_FORWARDED = (
+    # Ray's core worker, for every actor created with restarts on whose constructor arguments
+    # were put in the object store: Ray Data's map workers (it puts the map function there
+    # itself) and Ray Train's preemption watcher. A restart needs those arguments, which their
+    # owners keep while the actors live; there is nothing for a user to change.
+    "has constructor arguments in the object store and max_restarts > 0",
+    # Ray Train's placement-group cleaner, when the run's controller has gone first (an
+    # interrupted run's shutdown): it cannot ask the state API and tries again, then exits.
+    "Failed to query Ray Train Controller actor state",
+    # Ray Data, when a job turns its progress bars off (the demo's corpus build: bars on a
+    # log are noise): how to turn them on again.
+    "Progress bars disabled. To enable, set `ray.data.DataContext",
+)
 
 
 def install() -> None:
@@ -24,3 +48,37 @@ def install() -> None:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _drop_noise(data: dict) -> Optional[dict]:
+    lines = [line for line in data.get("lines", ()) if not any(t in line for t in _FORWARDED)]
+    return {**data, "lines": lines} if lines else None
+
+
+def filter_forwarded_logs() -> bool:
+    """In a driver connected with ``log_to_driver``: drop :data:`_FORWARDED` lines from what
+    Ray forwards from other processes. Ray's dispatcher of forwarded lines is private API
+    (ray._private.ray_logging, Ray pinned < 2.61): where it is not as expected, nothing is
+    filtered. Returns whether the filter is in place."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    with dispatcher._lock:
+        handlers = []
+        for name, handler in dispatcher.handlers:
+            if name == "ray_print_logs" and not getattr(handler, "_ray_ppu_filter", False):
+                handler = _filtered(handler)
+            handlers.append((name, handler))
+        dispatcher.handlers = handlers
+    return any(getattr(h, "_ray_ppu_filter", False) for _, h in dispatcher.handlers)
+
+
+def _filtered(handler):
+    def emit(data):
+        kept = _drop_noise(data)
+        if kept is not None:
+            handler(kept)
+
+    emit._ray_ppu_filter = True
+    return emit

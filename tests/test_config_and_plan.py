@@ -171,6 +171,14 @@ def test_schedule_megatron_would_assert_on_is_a_problem():
     plan_of(*BASE, "training.train_iters=6", "training.lr_warmup_iters=5")  # 5 < 6: fine
 
 
+def test_restarts_default_to_unlimited_and_a_bad_bound_is_a_problem():
+    assert load(None, []).cluster.max_failures == -1
+    msg = problems_of(*BASE, "cluster.max_failures=-2", "cluster.hang_timeout_s=-1")
+    assert "cluster.max_failures -2: expected -1 (unlimited restarts, the default)" in msg
+    assert "cluster.hang_timeout_s -1: expected > 0" in msg
+    assert plan_of(*BASE, "cluster.max_failures=0") is not None  # 0: no restarts
+
+
 def test_all_problems_reported_together():
     msg = problems_of(*BASE, "cluster.num_workers=3", "parallel.tensor_model_parallel_size=2",
                       "training.seq_length=100000")

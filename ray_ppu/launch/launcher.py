@@ -28,7 +28,7 @@ import ray.train
 from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-from ray_ppu import checkpoint, devices
+from ray_ppu import checkpoint, devices, quiet
 from ray_ppu.launch import job_stop, preflight, ray_worker
 from ray_ppu.recovery import snapshot_keeper, watchdog
 from ray_ppu.errors import ClusterError, ConfigError, CrashLoop
@@ -77,6 +77,7 @@ def connect(cfg: RunConfig) -> bool:
 def _connect(cfg: RunConfig) -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
+        quiet.filter_forwarded_logs()
         return False
     os.environ.setdefault("RAY_custom_unit_instance_resources", UNIT_INSTANCE_RESOURCES)
     c = cfg.cluster
@@ -88,6 +89,7 @@ def _connect(cfg: RunConfig) -> bool:
     cpus = max(os.cpu_count() or 1, math.ceil(c.num_workers * c.cpus_per_worker + readers) + 1)
     # address="local": a new Ray even when `ray start` left a cluster on this machine
     ray.init(address="local", num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
+    quiet.filter_forwarded_logs()
     return True
 
 

@@ -11,6 +11,7 @@ workers what ours need of TorchConfig's setup:
 
 - ``MASTER_ADDR`` / ``MASTER_PORT`` of world rank 0 and torchrun's variables (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``) on every worker;
+- ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (the reference script's, unless the user set it);
 - ``init_process_group`` over ``env://`` with the world rank Ray Train gave each worker
   (NCCL's asynchronous error handling on, unless the user chose: a hung collective fails);
 - at the group's end, the process group destroyed (bounded: a dead peer must not hold it).
@@ -101,6 +102,11 @@ def _set_environment(addr: str, port: int) -> None:
         "LOCAL_WORLD_SIZE": str(context.get_local_world_size()),
         "NODE_RANK": str(context.get_node_rank()),
     })
+    # What the reference script exports and Megatron-Core asks for (its TP linear layers warn
+    # on every rank without it): one hardware queue per device, so a TP / SP communication
+    # is scheduled before the GEMM that overlaps it. Here, before the process touches CUDA,
+    # for every launch; the user's own value wins.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
 def _init_process_group(backend: str, world_rank: int, world_size: int, timeout_s: int) -> None:

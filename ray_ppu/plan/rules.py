@@ -172,6 +172,9 @@ def run_problems(cfg: RunConfig) -> list[str]:
     if hang is not None and hang < 0:
         found.append(f"cluster.hang_timeout_s {hang:g}: expected > 0, 0 for no hang detection, "
                      f"or null for a timeout from the step time")
+    if cfg.cluster.max_failures < -1:
+        found.append(f"cluster.max_failures {cfg.cluster.max_failures}: expected -1 (unlimited "
+                     f"restarts, the default), 0 (none) or a number of restarts")
     if t.min_lr > t.lr:  # Megatron's scheduler asserts max_lr >= min_lr
         found.append(f"min_lr {t.min_lr:g} is above lr {t.lr:g}: the schedule decays to min_lr")
     return found

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 import ray
+import ray.data
 
 from ray_ppu.data.preprocess import CorpusStats, preprocess_with_ray, write_idxmap
 from ray_ppu.data.tokenizer import Tokenizer, export_qwen2_tokenizer
@@ -92,8 +93,30 @@ def build_demo_corpus(out_dir: str | Path, max_bytes: int = 4_000_000, workers: 
     if started_ray:  # RAY_ADDRESS joins that cluster; otherwise a new local Ray, never a stale one
         ray.init(address=os.environ.get("RAY_ADDRESS") or "local")
     try:
-        preprocess_with_ray([str(raw)], prefix, tokenizer_dir, workers=workers)
+        # In a task, not here: Ray's core worker notes each Ray Data map worker it creates
+        # ("constructor arguments in the object store"), on the creating process's stderr;
+        # from a task that note comes through the driver's log forwarding, which
+        # ray_ppu.quiet filters, and the demo's output stays the run's own
+        task = ray.remote(num_cpus=0, max_retries=0)(_tokenize_quietly)
+        ray.get(task.remote([str(raw)], str(prefix), str(tokenizer_dir), workers))
     finally:
         if started_ray:
             ray.shutdown()
     return str(prefix)
+
+
+def _tokenize_quietly(inputs: list[str], prefix: str, tokenizer_dir: str, workers) -> None:
+    """:func:`preprocess_with_ray` with our log lines shown and Ray Data's INFO progress lines
+    off (the demo's corpus takes seconds; its result is our one line)."""
+    import logging
+
+    ours = logging.getLogger("ray_ppu")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    ray.data.DataContext.get_current().enable_progress_bars = False  # tqdm bars on stderr
+    preprocess_with_ray(inputs, prefix, tokenizer_dir, workers=workers)

@@ -11,8 +11,11 @@ by round so all see the same machine noise:
 
 Per launch: the median step time (iterations after the first 3), the time from the command to
 the first finished iteration, and the start-up phases rank 0 logged (``start`` row of
-metrics.jsonl). ``--json`` writes ``{"first_iteration_s": {...}, "step_ratio": ray/torchrun,
-"phases": {launch: {phase: s}}, ...}``.
+metrics.jsonl), and where the CPU went in the steady state: CPU seconds per iteration of
+every process by role and of the ranks' threads besides the main one
+(:mod:`ray_ppu.tools.bench.cpu_account`). ``--json`` writes ``{"first_iteration_s": {...},
+"step_ratio": ray/torchrun, "phases": {launch: {phase: s}}, "cpu_per_iteration_s": {launch:
+{role: s}}, ...}``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ray_ppu.tools.bench.common import write_json
+from ray_ppu.tools.bench import cpu_account
+from ray_ppu.tools.bench.common import metrics_rows, write_json
 
 REPO = Path(__file__).resolve().parents[3]
 WARMUP_ITERS = 3
@@ -60,7 +64,7 @@ def build_demo_corpus(extra: list[str]) -> None:
 
 
 def one_run(kind: str, out: Path, iters: int, extra: list[str],
-            env: dict | None = None) -> dict:
+            env: dict | None = None, cpu_roots: list[int] | None = None) -> dict:
     """One launch of the demo: median step after warmup, seconds to the first iteration,
     and the logged start-up phases."""
     config = str(REPO / "entrypoints" / "configs" / "demo.yaml")
@@ -72,15 +76,35 @@ def one_run(kind: str, out: Path, iters: int, extra: list[str],
     else:
         cmd = [sys.executable, str(REPO / "entrypoints" / "pretrain.py"), *args]
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise SystemExit(f"{kind} run failed:\n{proc.stderr[-4000:]}")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        cpu = _account_cpu(proc, out, iters, roots=[proc.pid] + (cpu_roots or []))
+        if proc.wait() != 0:
+            log.seek(0)
+            raise SystemExit(f"{kind} run failed:\n{log.read()[-4000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "step_time_s" in r]  # training rows, not validation passes
     phases = next((r["phases_s"] for r in rows if r.get("event") == "start"), {})
     return {"step_s": statistics.median(r["step_time_s"] for r in train[WARMUP_ITERS:]),
             "first_iteration_s": train[0]["time"] - start, "phases": phases,
-            "wall_s": time.time() - start}
+            "wall_s": time.time() - start, "cpu_per_iteration_s": cpu}
+
+
+def _account_cpu(proc, out: Path, iters: int, roots: list[int]) -> dict:
+    """CPU seconds per iteration by role (:mod:`ray_ppu.tools.bench.cpu_account`) between the
+    first logged iteration after the warm-up and the one before the last (the processes are
+    gone after it); {} when the run logged too few."""
+    before = after = None
+    while proc.poll() is None:
+        done = max((r["iteration"] for r in metrics_rows(out) if "step_time_s" in r), default=0)
+        if before is None and done >= WARMUP_ITERS + 1:
+            before = (done, cpu_account.snapshot(roots))
+        elif before is not None and done >= iters - 1 and after is None:
+            after = (done, cpu_account.snapshot(roots))
+        time.sleep(0.1)
+    if before is None or after is None or after[0] <= before[0]:
+        return {}
+    return cpu_account.per_iteration(before[1], after[1], after[0] - before[0])
 
 
 class _RunningRay:
@@ -121,7 +145,8 @@ def run(rounds: int, iters: int, extra: list[str], json_path: str | None) -> dic
                     # a job joins with the running Ray's token (ray.init wrote it, as ray start)
                     run_env = ({**env, "RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": "token"}
                                if kind == "ray-job" else env)
-                    res = one_run(kind, Path(tmp) / f"{kind}{r}", iters, extra, run_env)
+                    res = one_run(kind, Path(tmp) / f"{kind}{r}", iters, extra, run_env,
+                                  [cluster.proc.pid] if kind == "ray-job" else None)
                     results[kind].append(res)
                     print(f"round {r} {kind:8s} median step {res['step_s'] * 1000:7.1f} ms | "
                           f"first iteration after {res['first_iteration_s']:5.1f} s | "
@@ -144,12 +169,19 @@ def _summary(results: dict[str, list[dict]]) -> dict:
     first = {k: statistics.median(r["first_iteration_s"] for r in v) for k, v in results.items()}
     phases = {k: {name: statistics.median(r["phases"].get(name, 0.0) for r in v)
                   for name in v[0]["phases"]} for k, v in results.items()}
-    return {"first_iteration_s": first, "step_s": step,
+    cpu = {k: _median_roles([r["cpu_per_iteration_s"] for r in v]) for k, v in results.items()}
+    return {"first_iteration_s": first, "step_s": step, "cpu_per_iteration_s": cpu,
             "step_ratio": step["ray"] / step["torchrun"],
             "step_ratio_ray_job": step["ray-job"] / step["torchrun"],
             "first_iteration_ratio": first["ray"] / first["torchrun"],
             "first_iteration_ratio_ray_job": first["ray-job"] / first["torchrun"],
             "phases": phases, "rounds": len(results["ray"])}
+
+
+def _median_roles(runs: list[dict]) -> dict:
+    roles = {name for run in runs for name in run}
+    return {name: statistics.median(run.get(name, 0.0) for run in runs) for name in sorted(
+        roles, key=lambda n: -max(run.get(n, 0.0) for run in runs))}
 
 
 def _print(f: dict) -> None:
@@ -162,3 +194,6 @@ def _print(f: dict) -> None:
           f"(ray-job {f['first_iteration_ratio_ray_job']:.2f})")
     for kind, phases in f["phases"].items():
         print(f"start-up phases, {kind:8s} {_phase_line(phases)}")
+    print("\nCPU seconds per iteration by process and rank thread (median of rounds):")
+    for kind, roles in f["cpu_per_iteration_s"].items():
+        print(f"  {kind:8s} " + ", ".join(f"{name} {cpu:.3f}" for name, cpu in roles.items()))
