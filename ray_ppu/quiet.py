@@ -43,6 +43,18 @@ _FORWARDED = (
 )
 
 
+def show_our_logs() -> None:
+    """In a process Ray started (a worker, a task): ray_ppu's lines, time-stamped, once each
+    (Ray configures no handler for them, and the root logger's would repeat them)."""
+    ours = logging.getLogger("ray_ppu")
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
 def install() -> None:
     for message in _MESSAGES:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)

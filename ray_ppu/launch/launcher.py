@@ -198,11 +198,7 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             graceful.stop_file.unlink(missing_ok=True)
             if hangs is not None:
                 hangs.stop()
-        if result.error is not None:
-            raise result.error
-        final = result.return_value or {}
-        if "crash_loop" in final:
-            raise CrashLoop(final["crash_loop"])
+        final = _outcome(result)
         if "stopped_at" in final:
             log.warning("stopped at iteration %d of %d with a checkpoint: run the same config "
                         "again to resume", final["stopped_at"], plan.train_iters)
@@ -220,6 +216,16 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
             snapshot_keeper.stop_all(token, [n["NodeID"] for n in ray.nodes() if n["Alive"]])
         if started:
             shutdown()
+
+
+def _outcome(result) -> dict:
+    """Rank 0's final metrics; the run's error, or the crash-loop guard's, raised."""
+    if result.error is not None:
+        raise result.error
+    final = result.return_value or {}
+    if "crash_loop" in final:  # the ranks stopped instead of restarting again
+        raise CrashLoop(final["crash_loop"])
+    return final
 
 
 def shutdown() -> None:

@@ -19,7 +19,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from ray_ppu import checkpoint, devices
+from ray_ppu import checkpoint, devices, quiet
 from ray_ppu.recovery import snapshot, snapshot_keeper, watchdog
 from ray_ppu.monitor import restarts
 from ray_ppu.config.schema import RunConfig
@@ -68,13 +68,7 @@ def assigned_device_id(resource_name: str) -> int:
 def _quiet_worker_logs() -> None:
     """Our progress lines once each; Ray Train's per-report INFO lines and Megatron's
     per-parameter listings off (they drown the progress report in the job log)."""
-    ours = logging.getLogger("ray_ppu")
-    if not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
+    quiet.show_our_logs()
     from ray.train.v2._internal.execution import context as train_context
 
     # Ray Train logs every report at INFO under its file's path as the logger name.
@@ -88,13 +82,11 @@ def _quiet_worker_logs() -> None:
 def train_worker(payload: dict) -> dict:
     """Ray Train's train_loop_per_worker: adapt Ray to :func:`ray_ppu.train.rank.train_rank`.
 
-    1. The group's plan: an elastic group can be any size (spares past the last usable
-       replica leave the process group and only join checkpoint reports).
-    2. Where this group starts (:func:`ray_ppu.checkpoint.resume_point`).
+    1. Stop, if the restarts make no progress (:func:`ray_ppu.monitor.restarts.crash_loop`).
+    2. The group's plan: an elastic group can be any size (spares past the last usable
+       replica leave the process group and only join checkpoint reports); where it starts.
     3. This rank's data streams from its node's readers, threads, PPU id; stop and drain
-       notices; the driver's start-up phases, for rank 0's ``start:`` line.
-    4. Train; tell the spares when done.
-    """
+       notices; the driver's start-up phases; train, then tell the spares."""
     group_started = time.time()
     from ray_ppu.train.rank import train_rank
 
@@ -103,9 +95,8 @@ def train_worker(payload: dict) -> dict:
     backend: devices.Backend = payload["backend"]
     token: str = payload["token"]
     root = checkpoint.save_root(cfg)
-    # every rank reads the same records: all stop alike, the run ends with the reason
-    looping = restarts.crash_loop(restarts.failures(root, token))
-    if looping is not None:
+    # every rank reads the same records: all stop alike, and the run ends with the reason
+    if (looping := restarts.crash_loop(restarts.failures(root, token))) is not None:
         return {"crash_loop": looping}
     context = ray.train.get_context()
     world = context.get_world_size()
@@ -153,7 +144,7 @@ def train_worker(payload: dict) -> dict:
     # setup: ours (Megatron-Core's model code: 2.4 s), where to start, the data streams
     phases = {**payload["phases"], "group": group_started - payload["fit_called_at"],
               "setup": time.time() - group_started}
-    # progress files: the driver's hang watchdog and the crash-loop guard both read them
+    # progress files, read by the driver's hang watchdog and the crash-loop guard
     beacon = watchdog.Beacon(root, token, dist.get_rank(), plan.world_size,
                              ray.get_runtime_context().get_node_id())
     try:

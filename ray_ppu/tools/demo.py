@@ -24,6 +24,7 @@ from typing import Iterator
 import ray
 import ray.data
 
+from ray_ppu import quiet
 from ray_ppu.data.preprocess import CorpusStats, preprocess_with_ray, write_idxmap
 from ray_ppu.data.tokenizer import Tokenizer, export_qwen2_tokenizer
 from ray_ppu.util.fs import atomic_write_text
@@ -110,13 +111,7 @@ def _tokenize_quietly(inputs: list[str], prefix: str, tokenizer_dir: str, worker
     off (the demo's corpus takes seconds; its result is our one line)."""
     import logging
 
-    ours = logging.getLogger("ray_ppu")
-    if not ours.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
+    quiet.show_our_logs()
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     ray.data.DataContext.get_current().enable_progress_bars = False  # tqdm bars on stderr
     preprocess_with_ray(inputs, prefix, tokenizer_dir, workers=workers)
