@@ -191,17 +191,31 @@ def _assert_restarted_exactly(final, row, stopped, timeout, uninterrupted, out) 
 @pytest.mark.faults
 def test_a_rank_frozen_right_after_a_save_restarts_the_group(ray_cluster, corpus, uninterrupted,
                                                              tmp_path_factory):
-    """One worker is frozen (SIGSTOP) the moment the checkpoint at iteration 4 is complete:
-    the save allowance is over with the save, so the group is failed within hang_timeout_s
-    + 15 s (not 30 min) and restarted from memory with the uninterrupted run's losses."""
+    """One worker is frozen (SIGSTOP) the moment it has written the end of the save at
+    iteration 4 (the checkpoint complete): no save allowance is left, so the group is failed
+    within hang_timeout_s + 15 s (not 30 min) and restarted from memory with the
+    uninterrupted run's losses."""
     from test_checkpoint import _train_workers
 
     out, timeout = tmp_path_factory.mktemp("hang_after_save"), 10
+
+    def saved(pid: int) -> bool:
+        """The rank in ``pid`` has written the end of the save at iteration 4."""
+        for path in out.glob("ray_train/*/progress/*/rank_*.json"):
+            try:
+                info = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if info["pid"] == pid:
+                return info["state"] == "train" and info["iteration"] >= 4
+        return False
 
     def freeze(stop: threading.Event, stopped: dict) -> None:
         while not stop.is_set() and not list(out.glob("ray_train/*/iter_0000004/ray_ppu_meta.json")):
             time.sleep(0.02)
         workers = _train_workers()
+        while workers and not stop.is_set() and not saved(workers[-1].pid):
+            time.sleep(0.005)
         if workers and not stop.is_set():
             _stop_process(stopped, workers[-1])
 
