@@ -292,7 +292,11 @@ def scrape_ray_metrics(run: str, lines: list):
     port = ray.nodes()[0]["MetricsExportPort"]
 
     def action(stop: threading.Event) -> None:
-        while not stop.wait(1.0):
+        ended = None  # once the run is over: its last export, looked for 10 s at most
+        while ended is None or (not lines and time.monotonic() - ended < 10):
+            if stop.wait(1.0):
+                ended = ended or time.monotonic()
+                time.sleep(1.0)
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                     text = r.read().decode()
