@@ -96,7 +96,8 @@ def train_worker(payload: dict) -> dict:
     token: str = payload["token"]
     root = checkpoint.save_root(cfg)
     # every rank reads the same records: all stop alike, and the run ends with the reason
-    if (looping := restarts.crash_loop(restarts.failures(root, token))) is not None:
+    history = restarts.failures(root, token)
+    if (looping := restarts.crash_loop(history)) is not None:
         return {"crash_loop": looping}
     context = ray.train.get_context()
     world = context.get_world_size()
@@ -150,7 +151,7 @@ def train_worker(payload: dict) -> dict:
     try:
         final = train_rank(cfg, plan, backend, device_id, batches, valid_batches,
                            start_iteration, resume, on_checkpoint=_report_checkpoint,
-                           failures=restarts.failures(root, token), interruption=interruption,
+                           failures=history, interruption=interruption,
                            on_metrics=exported, startup=phases, snapshots=snapshots,
                            progress=beacon)
     finally:

@@ -107,13 +107,13 @@ class Beacon:
             text, self._dirty = json.dumps(self._info), False
         atomic_write_text(self.dir / f"rank_{self.rank}.json", text, fsync=False)
 
-    def _update(self, now: bool, **changes) -> None:
-        """Change the progress; written at once (``now``: a save's start or end, rare) or by
-        the heartbeat thread within :data:`BEAT_S` (an iteration: no file write on the step)."""
+    def _update(self, *, at_once: bool, **changes) -> None:
+        """Change the progress; written at once (a save's start or end, rare) or by the
+        heartbeat thread within :data:`BEAT_S` (an iteration: no file write on the step)."""
         with self._lock:
             self._info.update(changes, time=time.time())
             self._dirty = True
-        if now:
+        if at_once:
             self._flush()
 
     def after(self, iteration: int, *_) -> None:
@@ -121,15 +121,15 @@ class Beacon:
         if self._last is not None:
             self._steps.append(now - self._last)
         self._last = now
-        self._update(False, iteration=iteration, state="train",
+        self._update(at_once=False, iteration=iteration, state="train",
                      step_s=statistics.median(self._steps[-20:]) if self._steps else None)
 
     def saving(self, dirs: list) -> None:
         """A save (or the wait for background saves) started, writing into ``dirs``."""
-        self._update(True, state="save", save_dirs=[str(d) for d in dirs])
+        self._update(at_once=True, state="save", save_dirs=[str(d) for d in dirs])
 
     def saved(self) -> None:
-        self._update(True, state="train", save_dirs=[])
+        self._update(at_once=True, state="train", save_dirs=[])
 
     def close(self) -> None:
         self._stop.set()
