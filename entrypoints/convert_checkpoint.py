@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.errors import ConfigError, UserError  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError, entry_point  # noqa: E402
 from ray_ppu.errors import report_before_group  # noqa: E402
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*(B|KB|MB|GB)?$", re.IGNORECASE)
@@ -123,4 +123,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
-    sys.exit(main())
+    sys.exit(entry_point(main))

@@ -38,7 +38,7 @@ from typing import Mapping, Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.errors import MigrationError  # noqa: E402
+from ray_ppu.errors import MigrationError, entry_point  # noqa: E402
 from ray_ppu.tools.pai_migration import REFERENCE_SCRIPT, migrate_launch  # noqa: E402
 
 
@@ -74,4 +74,4 @@ def main(argv=None, environ: Optional[Mapping[str, str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point(main))

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.errors import ConfigError, UserError  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError, entry_point  # noqa: E402
 from ray_ppu.errors import report_before_group  # noqa: E402
 
 
@@ -53,6 +53,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _token_ids(text: str) -> list[int]:
+    """--token-ids 1,2,3 as integers; anything else is a ConfigError naming the bad item."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    bad = [item for item in items if not item.lstrip("-").isdigit()]
+    if bad:
+        raise ConfigError(f"--token-ids {text}: {', '.join(map(repr, bad))} "
+                          f"{'is not an integer' if len(bad) == 1 else 'are not integers'} "
+                          f"(expected comma-separated token ids, e.g. 151644,872)")
+    return [int(item) for item in items]
+
+
 def prepare(args: argparse.Namespace) -> tuple:
     """The checkpoint (format, model config), the tokenizer and prompt ids, and the layout
     checked against the model: (source, tokenizer or None, prompt, backend, cfg, plan).
@@ -70,7 +81,7 @@ def prepare(args: argparse.Namespace) -> tuple:
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(tokenizer_dir)
     if args.token_ids is not None:
-        prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
+        prompt = _token_ids(args.token_ids)
     elif tokenizer is None:
         raise ConfigError(f"no tokenizer.json for {source.path}: pass --tokenizer DIR or "
                           f"--token-ids")
@@ -131,4 +142,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
-    sys.exit(main())
+    sys.exit(entry_point(main))

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ray_ppu.config.loader import load  # noqa: E402
-from ray_ppu.errors import ConfigError, UserError  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError, entry_point  # noqa: E402
 from ray_ppu.data import idxmap  # noqa: E402
 from ray_ppu.data.sampler import rank_sample_ids  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
@@ -57,9 +57,22 @@ def rank_samples(spec: idxmap.SampleSpec, split: str, dp_rank: int, dp_size: int
         yield int(sample_id), int(iteration), (n % per_rank) // micro_batch_size, row.tolist()
 
 
+def _tokenizer(directory):
+    """The --tokenizer to decode with (None without one); a bad directory is a ConfigError."""
+    if not directory:
+        return None
+    from ray_ppu.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(directory)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--tokenizer {directory}: {err}") from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        tokenizer = _tokenizer(args.tokenizer)  # before the index work: a bad path fails at once
         cfg = absolute_paths(load(args.config, args.overrides))
         plan = build_plan(cfg)
         dp = args.dp_size or plan.data_parallel_size
@@ -75,11 +88,6 @@ def main(argv=None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    tokenizer = None
-    if args.tokenizer:
-        from ray_ppu.data.tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(args.tokenizer)
     for sample_id, iteration, microbatch, tokens in rank_samples(
             spec, args.split, args.dp_rank, dp, plan.global_batch_size, plan.micro_batch_size,
             args.start_iteration, args.num_samples):
@@ -92,4 +100,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point(main))

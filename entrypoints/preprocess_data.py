@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from ray_ppu.data.preprocess import preprocess_with_ray  # noqa: E402
 from ray_ppu.data.readers import resolve_inputs  # noqa: E402
-from ray_ppu.errors import PreprocessError  # noqa: E402
+from ray_ppu.errors import PreprocessError, entry_point  # noqa: E402
 from ray_ppu.data.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -74,4 +74,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point(main))

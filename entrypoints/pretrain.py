@@ -1,9 +1,13 @@
-"""Pretrain a Qwen2.5 / LLaMA-3.1 model with Megatron-Core worker groups on Ray.
+"""Pretrain or fine-tune a Qwen2.5 / Qwen3 / Qwen3-MoE / LLaMA-3.1 model with Megatron-Core
+worker groups on Ray (model.preset: 0.5B … 72B or qwen2.5-7B, qwen3-0.6B … qwen3-32B,
+qwen3-30B-A3B, qwen3-235B-A22B, llama3.1-8B, llama3.1-70B; or checkpoint.pretrained=HF_DIR).
 
     python entrypoints/pretrain.py                       # the demo, on a local Ray
     python entrypoints/pretrain.py --config run.yaml [section.field=value ...] [--dry-run]
     python entrypoints/pretrain.py --help-config [SECTION]   # every config field, documented
-    ray job submit --working-dir . -- python entrypoints/pretrain.py --config run.yaml
+    ray job submit --address http://HEAD:8265 --working-dir . \
+        --runtime-env-json '{"env_vars": {"RAY_custom_unit_instance_resources": "PPU"}}' \
+        -- python entrypoints/pretrain.py --config run.yaml
 
 With RAY_ADDRESS set (as under ``ray job submit``) the job joins that cluster; otherwise it
 starts a local Ray that advertises simulated PPUs.
@@ -23,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ray_ppu.config.loader import load  # noqa: E402
-from ray_ppu.errors import ConfigError, UserError  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError, entry_point  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
-from ray_ppu.launch.output import absolute_paths, prepare_output  # noqa: E402
+from ray_ppu.launch.output import absolute_paths  # noqa: E402
 
 DEMO_CONFIG = REPO / "entrypoints" / "configs" / "demo.yaml"
 
@@ -34,9 +38,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config (default: the demo)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="print the resolved config, the plan, the Megatron-Core settings and "
-                             "the memory plan per device as JSON; start nothing (with RAY_ADDRESS "
-                             "set: also the preflight checks of every PPU node of that cluster)")
+                        help="check what the launch checks before it needs a cluster (the memory "
+                             "plan, corpora or SFT files and tokenizer, the checkpoint to start "
+                             "from) and print the resolved config, the plan, the Megatron-Core "
+                             "settings and the memory plan as JSON, a summary on stderr; start "
+                             "and write nothing; exit 2 on a problem (with RAY_ADDRESS set: also "
+                             "the preflight checks of every PPU node of that cluster)")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="with --dry-run: skip the file checks (data, tokenizer, checkpoint), "
+                             "for planning on a machine that does not have them")
     parser.add_argument("--help-config", nargs="?", const="", metavar="SECTION",
                         help="list every config field (or one section's: model, parallel, "
                              "training, memory, data, output, cluster, checkpoint) with its type, "
@@ -54,20 +64,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def dry_run(cfg, plan) -> dict:
-    """The resolved config, the plan (batches, iterations, FLOPs per iteration), the
-    Megatron-Core settings the workers will build, and the memory plan of one device; with
-    RAY_ADDRESS set, the preflight report of that cluster's PPU nodes (ray_ppu.launch.preflight:
-    paths writable / readable there, Transformer Engine, device)."""
+def dry_run(cfg, plan, files: bool = True, demo: bool = False) -> tuple[dict, list[str], list[str]]:
+    """``(result, summary lines, problems)``: the resolved config, the plan (batches,
+    iterations, FLOPs per iteration), the Megatron-Core settings the workers will build and the
+    memory plan of one device; the launch's local checks (:mod:`ray_ppu.launch.local_checks`,
+    ``files=False``: the memory plan only; ``demo``: not its corpus, which its launch makes); with RAY_ADDRESS set, the preflight report of that
+    cluster's PPU nodes (:mod:`ray_ppu.launch.preflight`: paths writable / readable there,
+    Transformer Engine, device)."""
+    from ray_ppu.launch import local_checks
     from ray_ppu.model.megatron_settings import describe
     from ray_ppu.plan.memory import memory_plan
+    from ray_ppu.plan.summary import summary_lines
 
     te = cfg.cluster.device != "cpu"  # PPU / GPU images carry Transformer Engine
+    memory = memory_plan(cfg, plan)
     result = {"config": cfg.to_dict(), "plan": plan.to_dict(),
-              "megatron": describe(cfg, plan, te), "memory": memory_plan(cfg, plan, te).to_dict()}
+              "megatron": describe(cfg, plan, te), "memory": memory.to_dict()}
+    lines, problems = summary_lines(cfg, plan, memory), []
+    try:
+        lines += local_checks.check(cfg, plan, files=files, data=not demo).lines
+    except UserError as err:
+        problems.append(str(err))
     if os.environ.get("RAY_ADDRESS"):
         result["preflight"] = _preflight(cfg)
-    return result
+        if not result["preflight"]["ok"]:
+            problems.append("preflight found problems:\n  " +
+                            "\n  ".join(result["preflight"]["problems"]))
+    result["problems"] = problems
+    return result, lines, problems
 
 
 def _preflight(cfg) -> dict:
@@ -105,13 +129,12 @@ def main(argv=None) -> int:
     for note in notes:
         logging.warning("%s", note.message)
     if args.dry_run:
-        result = dry_run(cfg, plan)
+        result, lines, problems = dry_run(cfg, plan, files=not args.plan_only, demo=demo)
+        print("\n".join(lines), file=sys.stderr)
         print(json.dumps(result, indent=2))
-        if not result.get("preflight", {"ok": True})["ok"]:
-            problems = result["preflight"]["problems"]
-            print("error: preflight found problems:\n  " + "\n  ".join(problems), file=sys.stderr)
-            return 2
-        return 0
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2 if problems else 0
 
     from ray_ppu.launch.launcher import connect, launch, shutdown
 
@@ -124,7 +147,6 @@ def main(argv=None) -> int:
 
             started = connect(cfg)  # the Ray (with simulated PPUs) the run will use too
             build_demo_corpus(Path(cfg.data.data_path[0]).parent)
-        prepare_output(cfg, plan)
         final = launch(cfg, plan)
     except UserError as err:  # config, cluster, corpus, checkpoint: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
@@ -146,4 +168,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point(main))

@@ -19,6 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ray_ppu.errors import entry_point  # noqa: E402
 from ray_ppu.monitor.report import write_report  # noqa: E402
 
 
@@ -45,4 +46,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point(main))

@@ -110,3 +110,22 @@ def report_before_group(err: BaseException, wait_s: float = 30.0) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(2))
         time.sleep(wait_s)
     return 2
+
+
+def entry_point(main) -> int:
+    """Run an entry point's ``main()`` as users meet it: a :class:`UserError` that escapes it
+    becomes one ``error:`` line and exit status 2, and output piped into a reader that went
+    away (``| head``) ends quietly with 141, the status of a process killed by SIGPIPE, as
+    ``cat`` and ``grep`` end, instead of a BrokenPipeError traceback."""
+    import os
+    import sys
+
+    try:
+        return main()
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush is silent
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141

@@ -67,7 +67,7 @@ def plan_of(tmp_path):
 
 def dry_run(config_path) -> dict:
     result = subprocess.run([sys.executable, str(REPO / "entrypoints" / "pretrain.py"),
-                             "--config", str(config_path), "--dry-run"],
+                             "--config", str(config_path), "--dry-run", "--plan-only"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)

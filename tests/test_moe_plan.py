@@ -49,8 +49,8 @@ def test_expert_layout_is_planned():
       "parallel.sequence_parallel=true"], "model.moe_ffn_hidden_size 63 is not divisible by ETP 2"),
     (["parallel.tensor_model_parallel_size=2"],
      "a MoE model at TP 2 needs parallel.sequence_parallel=true"),
-    (["model.moe_aux_loss_coeff=-0.1"], "model.moe_aux_loss_coeff -0.1 must be ≥ 0"),
-    (["model.num_moe_experts=0"], "model.num_moe_experts 0 must be ≥ 1 (null for a dense model)"),
+    (["model.moe_aux_loss_coeff=-0.1"], "model.moe_aux_loss_coeff=-0.1: must be ≥ 0"),
+    (["model.num_moe_experts=0"], "model.num_moe_experts=0: must be ≥ 1"),
     (["model.num_moe_experts=null", "parallel.expert_model_parallel_size=2"],
      "parallel.expert_model_parallel_size=2 needs a MoE model (model.num_moe_experts)"),
 ])

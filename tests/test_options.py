@@ -357,7 +357,7 @@ def test_auto_optimizer_offload_moves_just_enough_to_fit():
 def test_dry_run_prints_megatron_settings_and_memory_plan():
     proc = subprocess.run(
         [sys.executable, str(REPO / "entrypoints" / "pretrain.py"), "--config",
-         str(REPO / "entrypoints" / "configs" / "qwen2.5-7b-pretrain.yaml"), "--dry-run",
+         str(REPO / "entrypoints" / "configs" / "qwen2.5-7b-pretrain.yaml"), "--dry-run", "--plan-only",
          "memory.recompute=full", "memory.recompute_num_layers=2", "training.precision=fp16"],
         capture_output=True, text=True, check=True)
     out = json.loads(proc.stdout)

@@ -12,8 +12,9 @@ import difflib
 import re
 import types
 import typing
+import warnings
 from pathlib import Path
-from typing import Any, Iterable, Literal, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 
@@ -28,6 +29,33 @@ _SCIENTIFIC = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
 def _did_you_mean(key: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _section_fields() -> dict[str, list[str]]:
+    hints = typing.get_type_hints(RunConfig)
+    return {name: [f.name for f in dataclasses.fields(hints[name])] for name in hints}
+
+
+def _misplaced(section: str, key: str) -> str:
+    """Where an unknown key of ``section`` lives, if another section has it (or nearly)."""
+    others = {name: fields for name, fields in _section_fields().items() if name != section}
+    exact = [name for name, fields in others.items() if key in fields]
+    if exact:
+        return f" (it belongs in {exact[0]}: {exact[0]}.{key})"
+    everywhere = {f"{name}.{field}": field for name, fields in others.items() for field in fields}
+    close = difflib.get_close_matches(key, list(everywhere.values()), n=1, cutoff=0.75)
+    if close:
+        where = next(k for k, field in everywhere.items() if field == close[0])
+        return f" (did you mean '{where}'?)"
+    return ""
+
+
+def preset_name(name: str) -> Optional[str]:
+    """The preset ``name`` denotes: a preset's own name in any case, or a Qwen2.5 size with its
+    family (``qwen2.5-7B`` is ``7B``, the reference script's MODEL_SIZE); None if none."""
+    by_lower = {key.lower(): key for key in PRESETS}
+    lowered = str(name).lower()
+    return by_lower.get(lowered) or by_lower.get(lowered.removeprefix("qwen2.5-"))
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
@@ -100,7 +128,8 @@ def _build_section(cls: type, values: dict, section: str, base: Any = None) -> A
     kwargs = {}
     for key, value in values.items():
         if key not in known:
-            raise ConfigError(f"unknown key '{section}.{key}'{_did_you_mean(key, known)}")
+            hint = _did_you_mean(key, known) or _misplaced(section, key)
+            raise ConfigError(f"unknown key '{section}.{key}'{hint}")
         kwargs[key] = _coerce(value, hints[key], f"{section}.{key}")
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
@@ -110,11 +139,12 @@ def _build_model(values: dict, pretrained: Any = None) -> ModelConfig:
     on top of that directory's config.json instead; either way the result must then be
     config.json's architecture (training-only fields aside)."""
     values = dict(values)
-    name = values.pop("preset", None if pretrained else "tiny")
-    if name is not None and name not in PRESETS:
+    given = values.pop("preset", None if pretrained else "tiny")
+    name = None if given is None else preset_name(given)
+    if given is not None and name is None:
         raise ConfigError(
-            f"unknown model.preset '{name}'{_did_you_mean(str(name), PRESETS)}; "
-            f"known presets: {', '.join(PRESETS)}"
+            f"unknown model.preset '{given}'{_did_you_mean(str(given), PRESETS)}; "
+            f"known presets: {', '.join(PRESETS)} (Qwen2.5 sizes also as qwen2.5-<size>)"
         )
     if not pretrained:  # preset null: every field is in the section (a saved config.yaml)
         base = PRESETS[name] if name is not None else ModelConfig()
@@ -151,6 +181,35 @@ def from_dict(tree: dict) -> RunConfig:
     return RunConfig(**built)
 
 
+# Lengths a config may give in iterations or in tokens: one form each.
+LENGTH_FORMS = (("train_iters", "train_tokens"), ("lr_warmup_iters", "lr_warmup_tokens"),
+                ("lr_decay_iters", "lr_decay_tokens"))
+
+
+def _one_form_per_length(tree: dict, overridden: set[str], origin: str) -> None:
+    """Both forms of a length is an error naming both, unless one is a command-line override
+    of a config file's other: the override wins and a warning says so (a user who types
+    ``training.train_iters=100`` for a quick try means it). ``None`` is not a value here."""
+    training = tree.get("training")
+    if not isinstance(training, dict):
+        return
+    for pair in LENGTH_FORMS:
+        given = [key for key in pair if training.get(key) is not None]
+        if len(given) < 2:
+            continue
+        won = [key for key in given if f"training.{key}" in overridden]
+        if len(won) == 1:
+            lost = next(key for key in given if key != won[0])
+            warnings.warn(f"training.{won[0]}={training[won[0]]} (command line) replaces "
+                          f"training.{lost}={training[lost]} of {origin}", stacklevel=3)
+            del training[lost]
+        else:
+            where = "on the command line" if won else f"in {origin}"
+            raise ConfigError(f"training.{pair[0]}={training[pair[0]]} and training.{pair[1]}="
+                              f"{training[pair[1]]} both set {where}: they are one length in "
+                              f"iterations or in tokens; set one")
+
+
 def load(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
     """Read ``path`` (YAML; None = all defaults) and apply ``section.field=value`` overrides."""
     tree: dict = {}
@@ -164,9 +223,12 @@ def load(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
             raise ConfigError(f"{path}: not valid YAML: {err}") from err
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    overridden = set()
     for text in overrides:
         keys, value = _parse_override(text)
         if len(keys) != 2:
             raise ConfigError(f"override '{text}': expected section.field=value")
         _merge(tree, keys, value)
+        overridden.add(".".join(keys))
+    _one_form_per_length(tree, overridden, str(path) if path is not None else "the defaults")
     return from_dict(tree)

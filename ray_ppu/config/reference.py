@@ -27,7 +27,7 @@ class FieldDoc:
     doc: str
 
 
-def _docstrings(cls: type) -> dict[str, str]:
+def class_docstrings(cls: type) -> dict[str, str]:
     """{field: docstring} of a dataclass: the string literal that follows each annotated field."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
     docs = {}
@@ -54,7 +54,7 @@ def field_docs(section: Optional[str] = None) -> list[FieldDoc]:
         if section is not None and part.name != section:
             continue
         cls = part.default_factory().__class__
-        docs = _docstrings(cls)
+        docs = class_docstrings(cls)
         for f in dataclasses.fields(cls):
             found.append(FieldDoc(f"{part.name}.{f.name}", str(f.type), _default(f),
                                   docs.get(f.name, "")))

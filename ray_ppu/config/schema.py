@@ -20,25 +20,25 @@ class ParallelConfig:
     """How the world is cut into Megatron-Core parallel groups (DP is derived)."""
 
     tensor_model_parallel_size: int = 1
-    """TP: each layer's matrices split across this many devices (keep within a node)."""
+    """TP: each layer's matrices split across this many devices (keep within a node). [≥ 1]"""
     pipeline_model_parallel_size: int = 1
-    """PP: layers split into this many sequential stages."""
+    """PP: layers split into this many sequential stages. [≥ 1]"""
     context_parallel_size: int = 1
-    """CP: the sequence split across this many devices (needs Transformer Engine)."""
+    """CP: the sequence split across this many devices (needs Transformer Engine). [≥ 1]"""
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout activations along the sequence inside the TP group (TP > 1 only)."""
     expert_model_parallel_size: int = 1
     """EP: a MoE layer's experts split across this many devices, each holding
     num_moe_experts / EP whole experts; tokens travel to their experts' devices. EP × ETP
-    ranks are carved out of the TP × CP × DP ones (Megatron-Core's expert layout)."""
+    ranks are carved out of the TP × CP × DP ones (Megatron-Core's expert layout). [≥ 1]"""
     expert_tensor_parallel_size: Optional[int] = None
     """ETP: each expert's matrices split across this many devices; None = TP (Megatron-Core's
-    default). 1 is the usual choice with EP (Pai-Megatron-Patch's Qwen3-MoE examples)."""
+    default). 1 is the usual choice with EP (Pai-Megatron-Patch's Qwen3-MoE examples). [≥ 1]"""
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     """How tokens reach their experts' EP ranks: all-to-all exchanges of the routed tokens
     (Megatron-Core's choice for EP > 1), or all-gathering every token (fewer, larger messages)."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    """Interleaved pipeline: layers per virtual stage (reference MP_VP); None = not interleaved."""
+    """Interleaved pipeline: layers per virtual stage (reference MP_VP); None = not interleaved. [≥ 1]"""
     overlap_grad_reduce: bool = True
     """Reduce-scatter / all-reduce gradient buckets while the backward pass goes on (Megatron
     DDP). Pai-Megatron-Patch's run_mcore_qwen.sh turns it on; the PAI guide's no-overlap copy
@@ -54,37 +54,43 @@ class TrainingConfig:
     """Batch sizes, length of training, optimizer and schedule."""
 
     micro_batch_size: int = 1
-    """Samples per forward/backward pass on one DP rank."""
+    """Samples per forward/backward pass on one DP rank. [≥ 1]"""
     global_batch_size: int = 8
-    """Samples per optimizer step across all DP ranks (= micro × DP × microbatches)."""
+    """Samples per optimizer step across all DP ranks (= micro × DP × microbatches). [≥ 1]"""
     seq_length: int = 128
-    """Tokens per sample."""
+    """Tokens per sample. [≥ 1]"""
     train_tokens: Optional[int] = None
-    """Pretraining length in tokens; train_iters = train_tokens // global_batch_size // seq_length."""
+    """Pretraining length in tokens; train_iters = train_tokens // global_batch_size //
+    seq_length. Set this or train_iters, not both. [≥ 1]"""
     train_iters: Optional[int] = None
-    """Training length in iterations (used when train_tokens is not set)."""
+    """Training length in iterations. Set this or train_tokens, not both (a command-line
+    override of one replaces the other from the file, with a note). [≥ 1]"""
     lr_warmup_tokens: Optional[int] = None
-    """Linear warmup in tokens (pretraining); converted like train_tokens."""
-    lr_warmup_iters: int = 0
-    """Linear warmup in iterations (used when lr_warmup_tokens is not set)."""
+    """Linear warmup in tokens (pretraining); converted like train_tokens (a warmup shorter
+    than one iteration is none: the plan says so). Set this or lr_warmup_iters. [≥ 0]"""
+    lr_warmup_iters: Optional[int] = None
+    """Linear warmup in iterations; None = none (0), unless lr_warmup_tokens is set. [≥ 0]"""
     lr_decay_iters: Optional[int] = None
-    """Iterations of cosine decay; None = train_iters (pretraining), as the reference does."""
+    """Iterations of decay after warmup; None = train_iters (pretraining; SFT: train_iters −
+    warmup), as the reference does. Set this or lr_decay_tokens. [≥ 1]"""
+    lr_decay_tokens: Optional[int] = None
+    """Decay length in tokens (pretraining); converted like train_tokens. [≥ 1]"""
     lr: float = 1e-5
-    """Peak learning rate."""
+    """Peak learning rate. [≥ 0]"""
     min_lr: float = 1e-6
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the cosine decay. [≥ 0]"""
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     """Shape of the decay after warmup."""
     weight_decay: float = 0.1
-    """Decoupled (AdamW) weight decay."""
+    """Decoupled (AdamW) weight decay. [≥ 0]"""
     adam_beta1: float = 0.9
     """Adam β1."""
     adam_beta2: float = 0.95
     """Adam β2."""
     adam_eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon. [> 0]"""
     clip_grad: float = 1.0
-    """Clip the global gradient norm to this value (0 = off)."""
+    """Clip the global gradient norm to this value (0 = off). [≥ 0]"""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across DP ranks (ZeRO-1, Megatron's distributed optimizer)."""
     precision: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
@@ -93,19 +99,19 @@ class TrainingConfig:
     fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
     """fp8: E4M3 forward and E5M2 gradients (hybrid, the reference) or E4M3 for both."""
     fp8_amax_history_len: int = 1024
-    """fp8: steps of amax history the delayed scaling recipe keeps (the reference: 1024)."""
+    """fp8: steps of amax history the delayed scaling recipe keeps (the reference: 1024). [≥ 1]"""
     fp8_amax_compute_algo: Literal["max", "most_recent"] = "max"
     """fp8: scale from the max over the history (the reference) or the latest amax."""
     loss_scale: Optional[float] = None
-    """fp16: a fixed loss scale; None = dynamic loss scaling (the reference)."""
+    """fp16: a fixed loss scale; None = dynamic loss scaling (the reference). [> 0]"""
     initial_loss_scale: float = 2.0 ** 32
-    """fp16, dynamic: the scale to start from (halved on every overflow)."""
+    """fp16, dynamic: the scale to start from (halved on every overflow). [> 0]"""
     min_loss_scale: float = 1.0
-    """fp16, dynamic: the scale never drops below this."""
+    """fp16, dynamic: the scale never drops below this. [> 0]"""
     loss_scale_window: int = 1000
-    """fp16, dynamic: iterations without overflow before the scale doubles."""
+    """fp16, dynamic: iterations without overflow before the scale doubles. [≥ 1]"""
     hysteresis: int = 2
-    """fp16, dynamic: overflows tolerated before the scale is lowered."""
+    """fp16, dynamic: overflows tolerated before the scale is lowered. [≥ 1]"""
     apply_query_key_layer_scaling: Optional[bool] = None
     """Scale QKᵀ by the layer number (softmax in fp32) against fp16 overflow; None = on with
     fp16 only, as the reference sets it."""
@@ -115,13 +121,13 @@ class TrainingConfig:
     Engine's own choice where it is installed, else local. A backend this device cannot run is
     an error, never a silent fallback."""
     seed: int = 1234
-    """Base RNG seed (Megatron adds 100 × pipeline rank)."""
+    """Base RNG seed (Megatron adds 100 × pipeline rank). [≥ 0]"""
     log_interval: int = 1
-    """Iterations between progress lines, metrics.jsonl rows and Ray Train reports."""
+    """Iterations between progress lines, metrics.jsonl rows and Ray Train reports. [≥ 1]"""
     eval_interval: int = 10_000
-    """Iterations between validation passes (and one at the end); the reference uses 10000."""
+    """Iterations between validation passes (and one at the end); the reference uses 10000. [≥ 1]"""
     eval_iters: int = 10
-    """Global batches of validation data per pass (0 = no validation)."""
+    """Global batches of validation data per pass (0 = no validation). [≥ 0]"""
 
 
 @dataclass(frozen=True)
@@ -138,11 +144,11 @@ class MemoryConfig:
     recompute_num_layers layers of each chunk and stores the rest."""
     recompute_num_layers: int = 1
     """full: layers per recompute unit (uniform) or recomputed layers per chunk (block); the
-    reference's MP_AC_LAYERS. Uniform needs it to divide the layers of a chunk."""
+    reference's MP_AC_LAYERS. Uniform needs it to divide the layers of a chunk. [≥ 1]"""
     activation_offload_layers: int = 0
     """Offload the activations of this many layers to host memory during the forward pass
     (reference AC=offload with MP_AC_LAYERS; Transformer Engine only, PP 1, no recompute; turns
-    grad-reduce / param-gather overlap off, as the reference does). 0 = off."""
+    grad-reduce / param-gather overlap off, as the reference does). 0 = off. [≥ 0]"""
     optimizer_offload: Literal["none", "static", "auto"] = "none"
     """Keep (part of) the optimizer states and their update on the host (Megatron-Core's
     hybrid-device optimizer; reference OPTIMIZER_OFFLOAD). static: offload
@@ -152,7 +158,12 @@ class MemoryConfig:
     """static: fraction of the optimizer states kept on the host (the reference: 1.0)."""
     device_memory_gib: Optional[float] = None
     """Memory of one device for the memory plan and auto offload; None = the device table's
-    value (PPU 810E 96 GiB, H100 80, H200 141, A100 80)."""
+    value (PPU 810E 96 GiB, H100 80, H200 141, A100 80). [> 0]"""
+    require_fit: bool = True
+    """Refuse a run whose memory plan exceeds 90 % of device_memory_gib before any worker
+    starts (the error names the biggest terms and a layout that fits); false: launch anyway
+    (the plan leaves out allocator fragmentation and communication buffers, in the 10 %).
+    Not checked on cluster.device=cpu, whose workers use host memory."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +184,7 @@ class DataConfig:
     template in tokenizer_config.json (the reference's PRETRAIN_CHECKPOINT_PATH)."""
     max_padding_length: Optional[int] = None
     """sft without packing: each sample padded to this many tokens (reference PAD_LEN, ≤
-    seq_length; default seq_length); it is then the length the model trains on."""
+    seq_length; default seq_length); it is then the length the model trains on. [≥ 1]"""
     packing: bool = False
     """sft: several samples per seq_length row, attention kept within each (MP_SFT_PACKING)."""
     on_bad_record: Literal["skip", "fail"] = "skip"
@@ -184,16 +195,16 @@ class DataConfig:
     index_cache_dir: Optional[str] = None
     """Where Megatron's document/sample/shuffle indices are cached (default: <output>/index_cache)."""
     eod_token_id: int = 151_643
-    """End-of-document token appended between documents (Qwen2: <|endoftext|> = 151643)."""
+    """End-of-document token appended between documents (Qwen2: <|endoftext|> = 151643). [≥ 0]"""
     reader_cpus: float = 0.5
-    """Logical CPUs each reader actor reserves (ray_ppu.data.reader_pool)."""
+    """Logical CPUs each reader actor reserves (ray_ppu.data.reader_pool). [> 0]"""
     reader_actors: int = 0
     """Reader actors per PPU node, serving every data rank of the node and both splits; 0: one
     per 8 data-reading ranks of a node (a reader delivers far more than 8 ranks consume:
-    ``benchmark.py data``)."""
+    ``benchmark.py data``). [≥ 0]"""
     prefetch_batches: int = 4
     """Microbatches each data-reading rank keeps requested ahead of the training loop (in whole
-    iterations, at least 2)."""
+    iterations, at least 2). [≥ 1]"""
 
 
 @dataclass(frozen=True)
@@ -223,22 +234,22 @@ class ClusterConfig:
 
     num_workers: int = 2
     """Workers in the group: one per PPU (the world size). Workers beyond the largest
-    multiple of TP × PP × CP stay spare, outside the Megatron groups."""
+    multiple of TP × PP × CP stay spare, outside the Megatron groups. [≥ 1]"""
     min_workers: Optional[int] = None
     """Elastic: after losing workers, go on with as few as this many (Ray Train
     ScalingConfig(num_workers=(min_workers, num_workers))) at a smaller DP and the same global
-    batch, and grow back when capacity returns. None: a fixed group of num_workers."""
+    batch, and grow back when capacity returns. None: a fixed group of num_workers. [≥ 1]"""
     elastic_resize_interval_s: float = 60.0
     """Elastic: how often Ray Train checks whether more workers fit (a grow restarts the group
-    from the latest checkpoint: keep it near the time between checkpoints)."""
+    from the latest checkpoint: keep it near the time between checkpoints). [> 0]"""
     group_start_timeout_s: float = 60.0
     """How long Ray Train waits for a worker group's workers to be placed before deciding
     again (elastic: after a node loss it may first try the old size while Ray still counts the
-    lost node; shorter shrinks sooner). RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S wins if set."""
+    lost node; shorter shrinks sooner). RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S wins if set. [> 0]"""
     ppu_per_worker: float = 1
-    """PPU resource units each worker holds (1 = one device)."""
+    """PPU resource units each worker holds (1 = one device). [> 0]"""
     cpus_per_worker: float = 1
-    """Logical CPUs each worker holds, besides its PPU."""
+    """Logical CPUs each worker holds, besides its PPU. [≥ 0]"""
     device: Literal["auto", "ppu", "cpu"] = "auto"
     """ppu: torch.cuda + NCCL (PPU or NVIDIA); cpu: gloo on CPU; auto: ppu when CUDA is usable."""
     accelerator: Literal["ppu-810e", "h100", "h200", "a100"] = "ppu-810e"
@@ -246,17 +257,17 @@ class ClusterConfig:
     denominator and its memory the budget of the memory plan."""
     peak_tflops: Optional[float] = None
     """bf16 peak TFLOP/s of one device, the MFU denominator; None = the accelerator's figure
-    (ppu-810e 123, h100 / h200 989, a100 312), or on a CPU device none (MFU n/a)."""
+    (ppu-810e 123, h100 / h200 989, a100 312), or on a CPU device none (MFU n/a). [> 0]"""
     resource_name: str = "PPU"
     """Name of the custom Ray resource that counts devices on a node."""
     simulated_ppus: int = 0
-    """Embedded local Ray only: PPU units to advertise (0 = num_workers × ppu_per_worker)."""
+    """Embedded local Ray only: PPU units to advertise (0 = num_workers × ppu_per_worker). [≥ 0]"""
     max_failures: int = -1
     """Worker-group restarts Ray Train attempts after a worker or node failure (or a hang);
     -1 = unlimited, the default: a long run on many nodes loses some, and each restart costs
     seconds. A run whose restarts make no progress stops all the same, with one error naming
     the cause: 3 groups in a row failing before an iteration, or in the same iteration with
-    the same cause (``ray_ppu.monitor.restarts.crash_loop``). 0: no restarts."""
+    the same cause (``ray_ppu.monitor.restarts.crash_loop``). 0: no restarts. [≥ -1]"""
     hang_timeout_s: Optional[float] = None
     """A group that completes no iteration for this long is failed as hung (the stalled ranks'
     stacks logged, the processes killed; Ray Train restarts it as after a crash:
@@ -264,10 +275,10 @@ class ClusterConfig:
     Progress is a completed iteration or, during a save, bytes reaching the checkpoint
     directory: a save that writes nothing this long is a hang too. Before a group's first
     iteration the ranks have 30 min (model build, checkpoint load) unless one stops
-    answering. 0: off."""
+    answering. 0: off. [≥ 0]"""
     placement_timeout_s: float = 30.0
     """How long the preflight waits for every PPU node's answer (a node that does not answer in
-    time is a problem); a cluster short of PPUs or CPUs fails at once, without waiting."""
+    time is a problem); a cluster short of PPUs or CPUs fails at once, without waiting. [> 0]"""
 
 
 @dataclass(frozen=True)
@@ -278,9 +289,9 @@ class CheckpointConfig:
     """Write checkpoints. false: none at all (benchmarks, smoke tests): a failed or stopped
     run then has nothing to resume from."""
     save_interval: Optional[int] = None
-    """Iterations between checkpoints (one is always written at the end); None = only at the end."""
+    """Iterations between checkpoints (one is always written at the end); None = only at the end. [≥ 1]"""
     keep_last: int = 2
-    """Complete checkpoints kept in the run's checkpoint directory; older ones are deleted."""
+    """Complete checkpoints kept in the run's checkpoint directory; older ones are deleted. [≥ 1]"""
     load: Optional[str] = None
     """Checkpoint directory (or a directory of checkpoints: the latest complete one) to start
     from when the run's own checkpoint directory holds none yet; once the run has saved, its
@@ -304,13 +315,13 @@ class CheckpointConfig:
     """On SIGTERM (``ray job stop``): the workers finish their iteration, save and stop; after
     this many seconds (or a second signal) they are aborted instead. ``ray job stop`` itself
     kills the driver RAY_JOB_STOP_WAIT_TIME_S (default 3) after its SIGTERM: raise it on the
-    cluster to cover a save."""
+    cluster to cover a save. [≥ 0]"""
     memory_interval: Optional[int] = None
     """Iterations between in-memory snapshots of the full training state (Ray only): each
     rank's shard goes to a keeper process on its node and a replica to one on the next node,
     and a restarted group of the same layout restores from the newest complete one instead of
     from disk. None = every iteration, or as often as keeps a snapshot within 2 % of the step
-    (measured on the first one; the log says what it chose); 0 = off."""
+    (measured on the first one; the log says what it chose); 0 = off. [≥ 0]"""
     save_on_preemption: bool = True
     """When Ray reports that a node of the run is being drained (spot reclaim, maintenance),
     save a checkpoint at the end of the current iteration and keep training (Ray Train then

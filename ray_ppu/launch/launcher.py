@@ -29,14 +29,17 @@ from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_ppu import checkpoint, devices, quiet
-from ray_ppu.launch import job_stop, preflight, ray_worker
+from ray_ppu.launch import job_stop, local_checks, preflight, ray_worker
 from ray_ppu.recovery import snapshot_keeper, watchdog
 from ray_ppu.errors import ClusterError, ConfigError, CrashLoop
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data import idxmap, reader_pool, sft_store
 from ray_ppu.data.sampler import valid_start, valid_steps
 from ray_ppu.plan import Plan
+from ray_ppu.plan.memory import memory_plan
+from ray_ppu.plan.summary import summary_lines
 from ray_ppu.launch.process_group import ProcessGroupConfig
+from ray_ppu.launch.output import prepare_output
 from ray_ppu.launch.train_controller import FailureRecorder
 
 log = logging.getLogger("ray_ppu")
@@ -142,9 +145,11 @@ def build_trainer(cfg: RunConfig, plan: Plan, backend: devices.Backend, readers:
 def launch(cfg: RunConfig, plan: Plan) -> dict:
     """Run the job on Ray; returns rank 0's last logged metrics.
 
-    1. Check the corpora on the driver (files, headers, sizes, token ids, splits).
-    2. Checkpoint settings; say where the run starts (its own latest complete checkpoint,
-       ``checkpoint.load``, or scratch). The workers decide again at every (re)start.
+    1. The plan's summary, and what ``--dry-run`` checks too (:mod:`ray_ppu.launch.local_checks`):
+       the memory plan against the device, the corpora on the driver (files, headers, sizes,
+       token ids, splits) or the SFT files and tokenizer, the checkpoint settings and where
+       the run starts (its own latest complete checkpoint, ``checkpoint.load``, or scratch;
+       the workers decide again at every (re)start).
     3. Connect to the cluster (or start a local Ray with simulated PPUs); enough PPU?
     4. At once: the preflight on every PPU node (:mod:`ray_ppu.launch.preflight`: output, index
        cache, data and checkpoint paths, Transformer Engine and the device), Megatron's sample
@@ -155,13 +160,18 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
     6. SIGTERM (``ray job stop``): the workers save after their iteration and stop; Ctrl-C,
        a second signal or ``checkpoint.stop_timeout_s`` later: Ray Train aborts them.
     """
+    for line in summary_lines(cfg, plan, memory_plan(cfg, plan)):
+        log.info("%s", line)
+    checked = local_checks.check(cfg, plan)
+    for line in checked.lines:
+        if line.startswith("warning: "):
+            log.warning("%s", line.removeprefix("warning: "))
+        else:
+            log.info("%s", line)
+    cfg, resume = checked.cfg, checked.resume
+    prepare_output(cfg, plan)  # config.yaml and plan.json, once the checks passed
     sft = cfg.data.dataset == "sft"
     spec = sft_store.spec_for(cfg, plan) if sft else idxmap.spec_for(cfg, plan)
-    if not sft:
-        for info in idxmap.check(spec):
-            log.info("corpus %s: %d documents, %.4g tokens (%s)", info.prefix, info.documents,
-                     info.tokens, info.dtype)
-    cfg, resume = _starting_point(cfg, plan)
     job_stop.check_stop_wait(cfg)
     started = connect(cfg)
     phases = {"ray": _connected_in_s}  # here, or by the caller before (the demo's corpus)
@@ -319,7 +329,6 @@ def _snapshots_fit(cfg: RunConfig, plan: Plan, checked: dict, nodes: list[dict])
     plan's ``snapshot_host_gib`` × its PPUs, within 80 % of what it has available); if not,
     the run keeps durable checkpoints only and says so. (Without keepers the workers find
     none and take no snapshots.)"""
-    from ray_ppu.plan.memory import memory_plan
 
     per_device = memory_plan(cfg, plan).snapshot_host_gib
     available = {r["node_id"]: r.get("host_available_gib") for r in checked["nodes"]}
@@ -335,31 +344,6 @@ def _snapshots_fit(cfg: RunConfig, plan: Plan, checked: dict, nodes: list[dict])
                     + "; ".join(short) + "); restarts load the durable checkpoints "
                     "(checkpoint.memory_interval=0 silences this)")
     return not short
-
-
-def _starting_point(cfg: RunConfig, plan: Plan):
-    """Check the checkpoint settings and log where the run starts; returns ``cfg`` with
-    ``checkpoint.load`` made absolute (the controller and the workers run elsewhere), and the
-    resume point (None: from scratch)."""
-    checkpoint.check_sources(cfg)
-    if cfg.checkpoint.load:
-        load = str(Path(cfg.checkpoint.load).expanduser().resolve())
-        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=load))
-    try:
-        resume = checkpoint.resume_point(cfg)
-    except checkpoint.CheckpointError as err:
-        raise ConfigError(str(err)) from None
-    if resume is None:
-        log.info("no checkpoint in %s: training from scratch", checkpoint.save_root(cfg))
-    else:
-        log.info("starting from %s%s at iteration %d (%d samples consumed)", resume.path,
-                 " (weights only)" if resume.weights_only else "", resume.iteration,
-                 resume.iteration * cfg.training.global_batch_size)
-        if resume.iteration >= plan.train_iters:
-            log.warning("the run in %s is already complete (iteration %d of %d): nothing to "
-                        "train; use another output.dir or raise the training length",
-                        checkpoint.save_root(cfg), resume.iteration, plan.train_iters)
-    return cfg, resume
 
 
 def _as_config_error(fn, *args):

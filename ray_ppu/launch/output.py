@@ -1,18 +1,15 @@
-"""Run bookkeeping shared by the entry points: output directory and start-of-run log."""
+"""Run bookkeeping shared by the entry points: paths made absolute, the output directory."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 
 import yaml
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.plan import Plan
-
-log = logging.getLogger("ray_ppu")
 
 
 def _absolute(path: str) -> str:
@@ -42,22 +39,10 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
 
 
 def prepare_output(cfg: RunConfig, plan: Plan) -> Path:
-    """Create the output directory, save the resolved config and plan, log the derived numbers."""
+    """Create the output directory and save the resolved config and plan in it (the launch
+    does this once its local checks pass; its log has the plan's summary)."""
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     (out / "plan.json").write_text(json.dumps(plan.to_dict(), indent=2))
-    log.info(
-        "world %d = TP %d × CP %d × PP %d × DP %d | global batch %d = DP %d × micro %d × %d microbatches"
-        " | %d iterations × %d tokens = %.3g tokens | %.3g params (%.3g per device) | %.3g FLOPs/iter",
-        plan.world_size, plan.tensor_model_parallel_size, plan.context_parallel_size,
-        plan.pipeline_model_parallel_size, plan.data_parallel_size, plan.global_batch_size,
-        plan.data_parallel_size, plan.micro_batch_size, plan.num_microbatches, plan.train_iters,
-        plan.global_batch_size * plan.seq_length, plan.train_tokens, plan.num_parameters,
-        plan.num_parameters_per_device, plan.flops_per_iteration,
-    )
-    if plan.eval_iters:
-        log.info("validation every %d iterations and at the end: %d × %d samples per pass, "
-                 "%d validation samples in all", plan.eval_interval, plan.eval_iters,
-                 plan.global_batch_size, plan.valid_samples)
     return out

@@ -56,13 +56,30 @@ def schedule_iterations(cfg: RunConfig) -> tuple[int, int, int]:
     SFT script does. Train is 0 when neither train_tokens nor train_iters is set.
     """
     t = cfg.training
-    per_iteration = tokens_per_iteration(cfg)
-    if t.train_tokens is not None:
-        train = t.train_tokens // per_iteration
-    else:
-        train = t.train_iters if t.train_iters is not None else 0
-    warmup = (t.lr_warmup_tokens // per_iteration if t.lr_warmup_tokens is not None
-              else t.lr_warmup_iters)
-    sft = cfg.data.dataset == "sft"
-    decay = t.lr_decay_iters if t.lr_decay_iters is not None else train - (warmup if sft else 0)
+    train = _iterations(cfg, t.train_iters, t.train_tokens) or 0
+    warmup = _iterations(cfg, t.lr_warmup_iters, t.lr_warmup_tokens) or 0
+    decay = _iterations(cfg, t.lr_decay_iters, t.lr_decay_tokens)
+    if decay is None:
+        decay = train - (warmup if cfg.data.dataset == "sft" else 0)
     return train, warmup, decay
+
+
+def _iterations(cfg: RunConfig, iterations: Optional[int], tokens: Optional[int]) -> Optional[int]:
+    """A length given in iterations or in tokens (floor of tokens per iteration), else None."""
+    if tokens is not None:
+        return tokens // max(1, tokens_per_iteration(cfg))  # sizes ≥ 1 are the rules' to say
+    return iterations
+
+
+# The token forms of the lengths, each beside the iteration form it converts to.
+TOKEN_FORMS = {"train_tokens": "train_iters", "lr_warmup_tokens": "lr_warmup_iters",
+               "lr_decay_tokens": "lr_decay_iters"}
+
+
+def rounded_to_zero(cfg: RunConfig) -> list[str]:
+    """Token lengths shorter than one iteration (they become 0 iterations), one line each."""
+    t, per_iteration = cfg.training, tokens_per_iteration(cfg)
+    return [f"training.{name} {getattr(t, name):,} is under one iteration ({per_iteration:,} "
+            f"tokens = global_batch_size {t.global_batch_size} × {row_length(cfg)}): "
+            f"{iters} = 0" for name, iters in TOKEN_FORMS.items()
+            if getattr(t, name) and getattr(t, name) < per_iteration]

@@ -12,15 +12,21 @@ from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import ConfigError
-from ray_ppu.plan.derived import (expert_sizes, layers_per_chunk, schedule_iterations,
-                                  tokens_per_iteration)
+from ray_ppu.plan.derived import (TOKEN_FORMS, expert_sizes, layers_per_chunk,
+                                  schedule_iterations, tokens_per_iteration)
 from ray_ppu.plan.layout import ParallelDims, active_workers
+from ray_ppu.plan.sizes import size_problems
 from ray_ppu.plan.te_options import needs_transformer_engine
 
 
 def problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     """All of the config's problems, in the order a reader meets the fields (``forward_only``:
-    a model for forward passes, conversion or generation, that never trains)."""
+    a model for forward passes, conversion or generation, that never trains). A size out of
+    its bound (:mod:`ray_ppu.plan.sizes`) skips the rules that compute with the sizes: their
+    arithmetic on a zero or negative number would only add noise."""
+    sizes = size_problems(cfg)
+    if sizes:
+        return sizes + run_problems(cfg) + checkpoint_problems(cfg)
     found = (layout_problems(cfg) + model_problems(cfg) + moe_problems(cfg, forward_only)
              + _option_problems(cfg, layers_per_chunk(cfg)) + batch_problems(cfg))
     # Megatron's scheduler asserts warmup < decay: worth saying only of an otherwise sound config
@@ -50,8 +56,8 @@ def layout_problems(cfg: RunConfig) -> list[str]:
     except ConfigError as err:
         found.append(str(err))
     if c.min_workers is not None:
-        if not 1 <= c.min_workers <= c.num_workers:
-            found.append(f"cluster.min_workers {c.min_workers} must be between 1 and "
+        if c.min_workers > c.num_workers:
+            found.append(f"cluster.min_workers {c.min_workers} must be at most "
                          f"num_workers {c.num_workers}")
         elif not active_workers(c.min_workers, tp, pp, cp, t.global_batch_size,
                                 t.micro_batch_size, ep * etp):
@@ -81,8 +87,8 @@ def model_problems(cfg: RunConfig) -> list[str]:
         # head_dim) sets the projections' widths apart from the hidden size
         found.append(f"hidden_size {m.hidden_size} is not divisible by "
                      f"num_attention_heads {m.num_attention_heads}")
-    if m.kv_channels is not None and (m.kv_channels < 2 or m.kv_channels % 2):
-        found.append(f"kv_channels {m.kv_channels} must be a positive even number "
+    if m.kv_channels is not None and m.kv_channels % 2:
+        found.append(f"kv_channels {m.kv_channels} must be an even number "
                      f"(RoPE rotates each head's channels in pairs)")
     if m.num_layers % pp:
         found.append(f"num_layers {m.num_layers} is not divisible by PP {pp}")
@@ -90,7 +96,7 @@ def model_problems(cfg: RunConfig) -> list[str]:
     if per_vstage is not None:
         if pp < 2:
             found.append(f"num_layers_per_virtual_pipeline_stage {per_vstage} needs PP > 1, got PP {pp}")
-        elif per_vstage < 1 or m.num_layers % (pp * per_vstage):
+        elif m.num_layers % (pp * per_vstage):
             found.append(f"num_layers {m.num_layers} is not divisible by PP {pp} × "
                          f"num_layers_per_virtual_pipeline_stage {per_vstage} = {pp * per_vstage}")
     return found
@@ -108,9 +114,7 @@ def moe_problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     ep, etp = expert_sizes(cfg)
     experts, topk, ffn = m.num_moe_experts, m.moe_router_topk, m.effective_moe_ffn_hidden_size
     found = []
-    if experts < 1:
-        found.append(f"model.num_moe_experts {experts} must be ≥ 1 (null for a dense model)")
-    elif experts % ep:
+    if experts % ep:
         found.append(f"model.num_moe_experts {experts} is not divisible by EP {ep} (each EP "
                      f"rank holds whole experts)")
     if not 1 <= topk <= max(experts, 1):
@@ -125,8 +129,6 @@ def moe_problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     if p.tensor_model_parallel_size > 1 and not p.sequence_parallel and not forward_only:
         found.append(f"a MoE model at TP {p.tensor_model_parallel_size} needs "
                      f"parallel.sequence_parallel=true (Megatron-Core's MoE layer trains only so)")
-    if m.moe_aux_loss_coeff < 0:
-        found.append(f"model.moe_aux_loss_coeff {m.moe_aux_loss_coeff:g} must be ≥ 0")
     return found
 
 
@@ -137,7 +139,7 @@ def batch_problems(cfg: RunConfig) -> list[str]:
     dims = dims_or_none(cfg)
     if dims is not None:
         per_step = t.micro_batch_size * dims.dp
-        if t.micro_batch_size < 1 or t.global_batch_size % per_step:
+        if t.global_batch_size % per_step:
             found.append(f"global_batch_size {t.global_batch_size} is not divisible by "
                          f"micro_batch_size {t.micro_batch_size} × DP {dims.dp} = {per_step}")
     if t.seq_length > m.max_position_embeddings:
@@ -147,7 +149,8 @@ def batch_problems(cfg: RunConfig) -> list[str]:
 
 
 def schedule_problems(cfg: RunConfig, check_warmup: bool = True) -> list[str]:
-    """A training length of at least one iteration; warmup below decay."""
+    """A training length of at least one iteration; warmup below decay. Each message names the
+    form of a length the user wrote (``lr_warmup_tokens``, not the iterations it became)."""
     t = cfg.training
     train, warmup, decay = schedule_iterations(cfg)
     found = []
@@ -157,24 +160,26 @@ def schedule_problems(cfg: RunConfig, check_warmup: bool = True) -> list[str]:
         found.append(f"training length is {train} iterations (train_tokens {t.train_tokens} < "
                      f"global_batch_size × seq_length = {tokens_per_iteration(cfg)}?)")
     if check_warmup and not found and warmup >= decay:
-        sft = cfg.data.dataset == "sft"
-        how = ("set" if t.lr_decay_iters is not None
-               else "train_iters − lr_warmup_iters for SFT" if sft else "train_iters")
-        found.append(f"lr_warmup_iters {warmup} must be below lr_decay_iters {decay} ({how}): "
-                     f"the schedule warms up, then decays; lower the warmup or train longer")
+        per = tokens_per_iteration(cfg)
+        said = (f"lr_warmup_tokens {t.lr_warmup_tokens:,} (= {warmup} iterations of {per:,} "
+                f"tokens)" if t.lr_warmup_tokens is not None else f"lr_warmup_iters {warmup}")
+        if t.lr_decay_tokens is not None:
+            length = f"lr_decay_tokens {t.lr_decay_tokens:,} (= {decay} iterations)"
+        elif t.lr_decay_iters is not None:
+            length = f"lr_decay_iters {decay}"
+        elif cfg.data.dataset == "sft":
+            length = f"the {decay} iterations of decay (train_iters − warmup for SFT)"
+        else:
+            length = f"the {decay} iterations of decay (the training length)"
+        found.append(f"{said} must be below {length}: the schedule warms up, then decays; "
+                     f"lower the warmup or train longer")
     return found
 
 
 def run_problems(cfg: RunConfig) -> list[str]:
-    """Settings of the run around the model: hang detection, the LR floor."""
-    t, hang = cfg.training, cfg.cluster.hang_timeout_s
+    """Settings of the run around the model: the LR floor."""
+    t = cfg.training
     found = []
-    if hang is not None and hang < 0:
-        found.append(f"cluster.hang_timeout_s {hang:g}: expected > 0, 0 for no hang detection, "
-                     f"or null for a timeout from the step time")
-    if cfg.cluster.max_failures < -1:
-        found.append(f"cluster.max_failures {cfg.cluster.max_failures}: expected -1 (unlimited "
-                     f"restarts, the default), 0 (none) or a number of restarts")
     if t.min_lr > t.lr:  # Megatron's scheduler asserts max_lr >= min_lr
         found.append(f"min_lr {t.min_lr:g} is above lr {t.lr:g}: the schedule decays to min_lr")
     return found
@@ -184,14 +189,6 @@ def checkpoint_problems(cfg: RunConfig) -> list[str]:
     """Save and snapshot intervals, kept checkpoints, and one source of starting weights."""
     c = cfg.checkpoint
     found = []
-    if c.save_interval is not None and c.save_interval < 1:
-        found.append(f"checkpoint.save_interval={c.save_interval}: expected ≥ 1, or null to "
-                     f"save only at the end")
-    if c.keep_last < 1:
-        found.append(f"checkpoint.keep_last={c.keep_last}: expected ≥ 1")
-    if c.memory_interval is not None and c.memory_interval < 0:
-        found.append(f"checkpoint.memory_interval={c.memory_interval}: expected ≥ 1, 0 for no "
-                     f"in-memory snapshots, or null for every iteration within 2 % of the step")
     if c.finetune and not c.load:
         found.append("checkpoint.finetune=true needs checkpoint.load (the weights to start from)")
     if c.pretrained and c.load:
@@ -211,9 +208,7 @@ def _option_problems(cfg: RunConfig, layers_per_chunk: Optional[int]) -> list[st
                         "the TP group), got TP 1")
     if mem.recompute == "full":
         n = mem.recompute_num_layers
-        if n < 1:
-            problems.append(f"memory.recompute_num_layers {n} must be ≥ 1")
-        elif layers_per_chunk and mem.recompute_method == "uniform" and layers_per_chunk % n:
+        if layers_per_chunk and mem.recompute_method == "uniform" and layers_per_chunk % n:
             problems.append(f"memory.recompute_num_layers {n} does not divide the "
                             f"{layers_per_chunk} layers of a model chunk (num_layers per "
                             f"pipeline stage, and per virtual stage when interleaved)")
@@ -265,10 +260,7 @@ def _data_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"data.split '{d.split}': expected up to three non-negative shares, "
                         f"e.g. 99,1,0")
         shares = [1.0]
-    if t.eval_iters < 0 or t.eval_interval < 1:
-        problems.append(f"eval_iters {t.eval_iters} must be ≥ 0 and eval_interval "
-                        f"{t.eval_interval} ≥ 1")
-    elif t.eval_iters and not d.valid_data_path and (len(shares) < 2 or shares[1] == 0):
+    if t.eval_iters and not d.valid_data_path and (len(shares) < 2 or shares[1] == 0):
         problems.append(f"eval_iters {t.eval_iters} asks for validation but split '{d.split}' "
                         f"gives it no documents: set data.valid_data_path, a validation share "
                         f"in data.split, or training.eval_iters=0")
@@ -300,7 +292,9 @@ def _sft_problems(cfg: RunConfig) -> list[str]:
     if d.packing and cfg.parallel.context_parallel_size > 1:
         problems.append(f"data.packing with CP {cfg.parallel.context_parallel_size}: packed rows "
                         f"are not split across context-parallel ranks; use CP 1")
-    if t.train_tokens is not None or t.lr_warmup_tokens is not None:
-        problems.append("SFT is scheduled in iterations (train_iters, lr_warmup_iters), as the "
-                        "reference does; train_tokens / lr_warmup_tokens are for pretraining")
+    tokens = [f"training.{k}" for k in TOKEN_FORMS if getattr(t, k) is not None]
+    if tokens:
+        problems.append(f"SFT is scheduled in iterations (train_iters, lr_warmup_iters, "
+                        f"lr_decay_iters), as the reference does; {', '.join(tokens)} "
+                        f"{'is' if len(tokens) == 1 else 'are'} for pretraining")
     return problems

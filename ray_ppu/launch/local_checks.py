@@ -1,0 +1,118 @@
+"""Everything the launch checks before it needs a cluster, shared with ``--dry-run``.
+
+A dry run that passes what the launch then refuses teaches users to distrust it, so both call
+:func:`check`: the memory plan against the device, the corpora (idxmap headers, sizes, token
+ids) or the SFT files and tokenizer, and the checkpoint the run starts from. Every problem is
+collected, so one run of either names them all, in the same words. Nothing is written:
+``output.dir`` is the launch's to create, after these pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ray_ppu import checkpoint
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.errors import ConfigError, UserError
+from ray_ppu.plan import Plan
+from ray_ppu.plan.fit import fit_problem
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the checks found: the config with ``checkpoint.load`` made absolute (the workers
+    run elsewhere), where the run starts (None: from scratch), and one line per fact worth
+    telling (the corpora, the starting point)."""
+
+    cfg: RunConfig
+    resume: Optional[checkpoint.ResumePoint]
+    lines: list[str] = field(default_factory=list)
+
+
+def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> Checked:
+    """Run every local check; a ConfigError lists every problem found (one line when there is
+    one). ``files=False``: the memory plan only (planning where the data is not);
+    ``data=False``: not the training data (the demo's corpus is made by its launch)."""
+    problems, lines, resume = [], [], None
+    found = fit_problem(cfg, plan)
+    if found:
+        problems.append(found)
+    if files:
+        for step in (_data_lines, _sft_lines) if data else ():
+            try:
+                lines += step(cfg, plan)
+            except UserError as err:
+                problems.append(str(err))
+        try:
+            cfg, resume, start = starting_point(cfg, plan)
+            lines += start
+        except UserError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:  # a problem of several lines (a corpus's files) stays together, indented
+        raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(
+            problem.replace("\n", "\n    ") for problem in problems))
+    return Checked(cfg, resume, lines)
+
+
+def _data_lines(cfg: RunConfig, plan: Plan) -> list[str]:
+    """idxmap: every corpus of both splits (:func:`ray_ppu.data.idxmap.check`)."""
+    if cfg.data.dataset != "idxmap":
+        return []
+    from ray_ppu.data import idxmap
+
+    return [f"corpus {info.prefix}: {info.documents} documents, {info.tokens:.4g} tokens "
+            f"({info.dtype})" for info in idxmap.check(idxmap.spec_for(cfg, plan))]
+
+
+def _sft_lines(cfg: RunConfig, plan: Plan) -> list[str]:
+    """SFT: the JSON inputs of both splits exist and hold data; the tokenizer and its chat
+    template load (what Ray Data's pipeline checks first, here before the cluster)."""
+    if cfg.data.dataset != "sft":
+        return []
+    from ray_ppu.data.sft.files import resolve_sft_inputs
+    from ray_ppu.data.sft.windows import as_encoder
+
+    d, problems, counts = cfg.data, [], []
+    for split, paths in (("train", d.data_path), ("validation", d.valid_data_path)):
+        if paths:
+            try:
+                counts.append(f"{len(resolve_sft_inputs(paths))} {split} file(s)")
+            except UserError as err:
+                problems.append(f"data.{'valid_' if split != 'train' else ''}data_path: {err}")
+    try:
+        as_encoder(str(Path(d.tokenizer).expanduser().resolve()))
+    except (UserError, OSError, ValueError) as err:
+        problems.append(f"data.tokenizer: {err}")
+    if problems:
+        raise ConfigError("\n  - ".join(problems))
+    return [f"SFT data: {', '.join(counts)}; tokenizer {d.tokenizer}"]
+
+
+def starting_point(cfg: RunConfig, plan: Plan):
+    """Check the checkpoint settings and say where the run starts: ``(cfg with checkpoint.load
+    absolute, the resume point or None, lines)``."""
+    checkpoint.check_sources(cfg)
+    if cfg.checkpoint.load:
+        load = str(Path(cfg.checkpoint.load).expanduser().resolve())
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, load=load))
+    try:
+        resume = checkpoint.resume_point(cfg)
+    except checkpoint.CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    root = checkpoint.save_root(cfg)
+    if resume is None:
+        source = f" from {cfg.checkpoint.pretrained}" if cfg.checkpoint.pretrained else ""
+        return cfg, None, [f"no checkpoint in {root}: training from scratch{source}"]
+    lines = [f"starting from {resume.path}{' (weights only)' if resume.weights_only else ''} at "
+             f"iteration {resume.iteration} ({resume.iteration * cfg.training.global_batch_size} "
+             f"samples consumed)"]
+    if resume.iteration >= plan.train_iters:
+        lines.append(f"warning: the run in {root} is already complete (iteration "
+                     f"{resume.iteration} of {plan.train_iters}): nothing to train; use another "
+                     f"output.dir or raise the training length")
+    return cfg, resume, lines

@@ -1,0 +1,71 @@
+"""The plan in a few lines a person reads: the launch logs them, ``--dry-run`` prints them on
+stderr (its JSON on stdout holds every number). Layout, batch arithmetic, schedule (with any
+token length that rounded to zero iterations), model size and FLOPs, the memory of one device.
+"""
+
+from __future__ import annotations
+
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.plan.derived import rounded_to_zero, tokens_per_iteration
+from ray_ppu.plan.memory import HEADROOM, MemoryPlan
+
+
+def summary_lines(cfg: RunConfig, plan, memory: MemoryPlan) -> list[str]:
+    """The plan's human summary, one fact per line."""
+    validation = ([f"validation: every {plan.eval_interval} iterations and at the end, "
+                   f"{plan.eval_iters} × {plan.global_batch_size} samples per pass, "
+                   f"{plan.valid_samples} in all"] if plan.eval_iters else [])
+    return ([_layout(plan), _batch(cfg, plan), _schedule(cfg, plan)]
+            + [f"note: {line}" for line in rounded_to_zero(cfg)] + validation
+            + [_model(plan), _memory(memory)])
+
+
+def _layout(plan) -> str:
+    line = (f"layout: {plan.world_size} workers = TP {plan.tensor_model_parallel_size} × CP "
+            f"{plan.context_parallel_size} × PP {plan.pipeline_model_parallel_size} × DP "
+            f"{plan.data_parallel_size}")
+    if plan.virtual_pipeline_model_parallel_size:
+        line += f", {plan.virtual_pipeline_model_parallel_size} virtual stages per stage"
+    if plan.sequence_parallel:
+        line += ", sequence parallel"
+    if plan.expert_model_parallel_size * plan.expert_tensor_parallel_size > 1:
+        line += (f"; experts EP {plan.expert_model_parallel_size} × ETP "
+                 f"{plan.expert_tensor_parallel_size} × expert-DP {plan.expert_data_parallel_size}")
+    return line
+
+
+def _batch(cfg: RunConfig, plan) -> str:
+    return (f"batch: {plan.global_batch_size} samples = {plan.micro_batch_size} per microbatch "
+            f"× DP {plan.data_parallel_size} × {plan.num_microbatches} microbatches; "
+            f"{plan.seq_length} tokens per sample, {tokens_per_iteration(cfg):,} per iteration")
+
+
+def _schedule(cfg: RunConfig, plan) -> str:
+    t = cfg.training
+    how = (f"train_tokens {t.train_tokens:,} / {tokens_per_iteration(cfg):,}"
+           if t.train_tokens is not None else "train_iters")
+    return (f"schedule: {plan.train_iters} iterations ({how}), warmup {plan.lr_warmup_iters}, "
+            f"{t.lr_decay_style} decay over {plan.lr_decay_iters}, lr {t.lr:g} → {t.min_lr:g}")
+
+
+def _model(plan) -> str:
+    active = ("" if plan.num_active_parameters == plan.num_parameters
+              else f" ({_count(plan.num_active_parameters)} active per token)")
+    return (f"model: {_count(plan.num_parameters)} parameters{active}, "
+            f"{_count(plan.num_parameters_per_device)} on the most loaded device; "
+            f"{plan.flops_per_iteration:.3g} FLOPs per iteration")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def _memory(m: MemoryPlan) -> str:
+    verdict = "fits" if m.fits else "does NOT fit"
+    stage = "" if m.stage == "only" else f", {m.stage} pipeline stage"
+    offload = (f", {m.optimizer_host_gib:.1f} GiB of optimizer on the host"
+               if m.optimizer_host_gib else "")
+    return (f"memory per device ({m.accelerator}, {m.device_memory_gib:g} GiB{stage}): "
+            f"{m.total_gib:.1f} GiB = parameters {m.parameters_gib:.1f} + gradients "
+            f"{m.gradients_gib:.1f} + optimizer {m.optimizer_gib:.1f} + activations "
+            f"{m.activations_gib:.1f}{offload}: {verdict} in {HEADROOM:.0%} of the device")
