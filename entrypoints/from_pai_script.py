@@ -1,11 +1,11 @@
 """Migrate a PAI-Megatron-Patch launch (``run_mcore_qwen*.sh``) to a ray_ppu YAML config.
 
-    python entrypoints/from_pai_script.py run_dsw_7b.sh --output run.yaml
+    python entrypoints/from_pai_script.py examples/run_dsw_7b.sh --output run.yaml
     python entrypoints/from_pai_script.py --output run.yaml -- \\
         dsw 7B 1 256 1e-5 1e-6 4096 4096 bf16 1 1 1 true true true false false false 100000 \\
         DATASET_PATH VALID_DATASET_PATH PRETRAIN_CHECKPOINT_PATH 10000000000 1000000 OUTPUT_BASEPATH
-    python entrypoints/pretrain.py --config run.yaml --dry-run
-    python entrypoints/from_pai_script.py --script my-patch/examples/qwen3/run_mcore_qwen3.sh \\
+    python entrypoints/pretrain.py --config run.yaml --dry-run --plan-only
+    python entrypoints/from_pai_script.py --script examples/qwen3/run_mcore_qwen3.sh \\
         --output run.yaml -- dsw A3B 1 32 1e-5 1e-6 1024 1024 bf16 2 1 1 1 8 true true true ...
 
 Give either the 25 positional arguments of ``run_mcore_qwen.sh`` (ENV MODEL_SIZE BATCH_SIZE

@@ -75,13 +75,14 @@ def prepare(args: argparse.Namespace) -> tuple:
     from ray_ppu.data.tokenizer import load_tokenizer
     from ray_ppu.offline.source import inference_config, open_source
 
+    token_ids = _token_ids(args.token_ids) if args.token_ids is not None else None
     source = open_source(args.checkpoint)
     tokenizer_dir = args.tokenizer or source.hf_dir
     tokenizer = None
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(tokenizer_dir)
-    if args.token_ids is not None:
-        prompt = _token_ids(args.token_ids)
+    if token_ids is not None:
+        prompt = token_ids
     elif tokenizer is None:
         raise ConfigError(f"no tokenizer.json for {source.path}: pass --tokenizer DIR or "
                           f"--token-ids")

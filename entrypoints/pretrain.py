@@ -5,9 +5,8 @@ qwen3-30B-A3B, qwen3-235B-A22B, llama3.1-8B, llama3.1-70B; or checkpoint.pretrai
     python entrypoints/pretrain.py                       # the demo, on a local Ray
     python entrypoints/pretrain.py --config run.yaml [section.field=value ...] [--dry-run]
     python entrypoints/pretrain.py --help-config [SECTION]   # every config field, documented
-    ray job submit --address http://HEAD:8265 --working-dir . \
-        --runtime-env-json '{"env_vars": {"RAY_custom_unit_instance_resources": "PPU"}}' \
-        -- python entrypoints/pretrain.py --config run.yaml
+    ray job submit --address http://127.0.0.1:8265 --working-dir . \\
+        --runtime-env cluster/runtime_env.yaml -- python entrypoints/pretrain.py --config run.yaml
 
 With RAY_ADDRESS set (as under ``ray job submit``) the job joins that cluster; otherwise it
 starts a local Ray that advertises simulated PPUs.

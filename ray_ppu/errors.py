@@ -121,7 +121,9 @@ def entry_point(main) -> int:
     import sys
 
     try:
-        return main()
+        status = main()
+        sys.stdout.flush()  # a closed pipe found here, not in the interpreter's exit
+        return status
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -1,7 +1,9 @@
 """The driver side: everything between ``pretrain.py`` and a running worker group, and the only
 part of ray_ppu that drives Ray.
 
-The driver connects to the cluster and checks it (:mod:`~ray_ppu.launch.preflight`), writes the
+Before it needs a cluster, the driver runs the checks ``--dry-run`` shares
+(:mod:`~ray_ppu.launch.local_checks`: memory plan, data, tokenizer, starting checkpoint). It
+then connects to the cluster and checks it (:mod:`~ray_ppu.launch.preflight`), writes the
 run's bookkeeping (:mod:`~ray_ppu.launch.output`), starts the readers and snapshot keepers and
 hands Ray Train a ``TorchTrainer`` (:mod:`~ray_ppu.launch.launcher`); Ray Train's controller gets
 only what it must unpickle (:mod:`~ray_ppu.launch.train_controller`,

@@ -42,10 +42,7 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
         problems.append(found)
     if files:
         for step in (_data_lines, _sft_lines) if data else ():
-            try:
-                lines += step(cfg, plan)
-            except UserError as err:
-                problems.append(str(err))
+            lines += step(cfg, plan, problems)
         try:
             cfg, resume, start = starting_point(cfg, plan)
             lines += start
@@ -59,17 +56,23 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
     return Checked(cfg, resume, lines)
 
 
-def _data_lines(cfg: RunConfig, plan: Plan) -> list[str]:
-    """idxmap: every corpus of both splits (:func:`ray_ppu.data.idxmap.check`)."""
+def _data_lines(cfg: RunConfig, plan: Plan, problems: list[str]) -> list[str]:
+    """idxmap: every corpus of both splits (:func:`ray_ppu.data.idxmap.check`); its problems
+    go to ``problems``."""
     if cfg.data.dataset != "idxmap":
         return []
     from ray_ppu.data import idxmap
 
+    try:
+        found = idxmap.check(idxmap.spec_for(cfg, plan))
+    except UserError as err:
+        problems.append(str(err))
+        return []
     return [f"corpus {info.prefix}: {info.documents} documents, {info.tokens:.4g} tokens "
-            f"({info.dtype})" for info in idxmap.check(idxmap.spec_for(cfg, plan))]
+            f"({info.dtype})" for info in found]
 
 
-def _sft_lines(cfg: RunConfig, plan: Plan) -> list[str]:
+def _sft_lines(cfg: RunConfig, plan: Plan, problems: list[str]) -> list[str]:
     """SFT: the JSON inputs of both splits exist and hold data; the tokenizer and its chat
     template load (what Ray Data's pipeline checks first, here before the cluster)."""
     if cfg.data.dataset != "sft":
@@ -77,7 +80,7 @@ def _sft_lines(cfg: RunConfig, plan: Plan) -> list[str]:
     from ray_ppu.data.sft.files import resolve_sft_inputs
     from ray_ppu.data.sft.windows import as_encoder
 
-    d, problems, counts = cfg.data, [], []
+    d, counts, before = cfg.data, [], len(problems)
     for split, paths in (("train", d.data_path), ("validation", d.valid_data_path)):
         if paths:
             try:
@@ -88,8 +91,8 @@ def _sft_lines(cfg: RunConfig, plan: Plan) -> list[str]:
         as_encoder(str(Path(d.tokenizer).expanduser().resolve()))
     except (UserError, OSError, ValueError) as err:
         problems.append(f"data.tokenizer: {err}")
-    if problems:
-        raise ConfigError("\n  - ".join(problems))
+    if len(problems) > before:
+        return []
     return [f"SFT data: {', '.join(counts)}; tokenizer {d.tokenizer}"]
 
 

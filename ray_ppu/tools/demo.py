@@ -37,6 +37,13 @@ def stdlib_sources(max_bytes: int) -> Iterator[str]:
 
     Real text that ships with every Python: the demo corpus needs no download.
     """
+    for _, text in stdlib_files(max_bytes):
+        yield text
+
+
+def stdlib_files(max_bytes: int) -> Iterator[tuple[str, str]]:
+    """``(path relative to the standard library, text)`` of :func:`stdlib_sources`: sorted,
+    tests and site-packages left out, files that are not UTF-8 skipped."""
     root = Path(sysconfig.get_paths()["stdlib"])
     total = 0
     for path in sorted(root.rglob("*.py")):
@@ -49,7 +56,7 @@ def stdlib_sources(max_bytes: int) -> Iterator[str]:
         total += len(text)
         if total > max_bytes:
             return
-        yield text
+        yield path.relative_to(root).as_posix(), text
 
 
 def build_stdlib_corpus(prefix: str | Path, tokenizer: Tokenizer, max_bytes: int = 4_000_000) -> CorpusStats | None:
