@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.errors import entry_point  # noqa: E402
+from ray_ppu.errors import ConfigError, entry_point  # noqa: E402
 from ray_ppu.monitor.report import write_report  # noqa: E402
 
 
@@ -35,9 +35,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     directory = Path(args.output_dir)
     if not (directory / "metrics.jsonl").is_file():
-        print(f"{directory}: no metrics.jsonl here; is it a run's output.dir, and has the run "
-              f"started?", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{directory}: no metrics.jsonl here; is it a run's output.dir, and "
+                          f"has the run started?")
     path = write_report(directory)
     print(path)
     if args.open:

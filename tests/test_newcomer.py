@@ -246,6 +246,24 @@ def test_generate_with_bad_token_ids_is_one_line(tmp_path):
         "ids, e.g. 151644,872)"]
 
 
+@pytest.mark.parametrize("script, args, fact", [
+    ("report.py", ["{tmp}"], "{tmp}: no metrics.jsonl here"),
+    ("from_pai_script.py", ["{tmp}/run.sh"], "{tmp}/run.sh: no such launch script"),
+    ("pretrain.py", ["--config", "{tmp}/run.yaml"], "config file {tmp}/run.yaml does not exist"),
+    ("pretrain.py", ["--dry-run", "training.seq_length=abc"],
+     "training.seq_length='abc': expected int"),
+    ("convert_checkpoint.py", ["hf-to-mcore", "--hf", "{tmp}", "--out", "{tmp}/out"],
+     "{tmp}: neither a Hugging Face model directory"),
+    ("preprocess_data.py", ["--input", "{tmp}/none.jsonl", "--output-prefix", "{tmp}/p",
+                            "--tokenizer", "{tmp}"], "{tmp}/none.jsonl: no such file"),
+])
+def test_every_entry_point_says_a_user_error_in_one_line(tmp_path, script, args, fact):
+    proc = _run(script, *[a.format(tmp=tmp_path) for a in args])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = _error_lines(proc.stderr)
+    assert line.startswith(f"error: {fact.format(tmp=tmp_path)}"), line
+
+
 def test_dry_run_into_a_closed_pipe_exits_quietly():
     """``| true`` closes the pipe before pretrain.py writes its JSON (what ``| head -1`` does to
     a longer output): SIGPIPE's status, no traceback."""
