@@ -81,7 +81,8 @@ def dry_run(cfg, plan, files: bool = True, demo: bool = False) -> tuple[dict, li
               "megatron": describe(cfg, plan, te), "memory": memory.to_dict()}
     lines, problems = summary_lines(cfg, plan, memory), []
     try:
-        lines += local_checks.check(cfg, plan, files=files, data=not demo).lines
+        checked = local_checks.check(cfg, plan, files=files, data=not demo)
+        lines += checked.lines + [f"warning: {line}" for line in checked.warnings]
     except UserError as err:
         problems.append(str(err))
     if os.environ.get("RAY_ADDRESS"):

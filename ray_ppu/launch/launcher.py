@@ -164,10 +164,9 @@ def launch(cfg: RunConfig, plan: Plan) -> dict:
         log.info("%s", line)
     checked = local_checks.check(cfg, plan)
     for line in checked.lines:
-        if line.startswith("warning: "):
-            log.warning("%s", line.removeprefix("warning: "))
-        else:
-            log.info("%s", line)
+        log.info("%s", line)
+    for line in checked.warnings:
+        log.warning("%s", line)
     cfg, resume = checked.cfg, checked.resume
     prepare_output(cfg, plan)  # config.yaml and plan.json, once the checks passed
     sft = cfg.data.dataset == "sft"

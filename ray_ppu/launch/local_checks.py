@@ -24,19 +24,20 @@ from ray_ppu.plan.fit import fit_problem
 @dataclass(frozen=True)
 class Checked:
     """What the checks found: the config with ``checkpoint.load`` made absolute (the workers
-    run elsewhere), where the run starts (None: from scratch), and one line per fact worth
-    telling (the corpora, the starting point)."""
+    run elsewhere), where the run starts (None: from scratch), one line per fact worth
+    telling (the corpora, the starting point) and per thing worth a warning."""
 
     cfg: RunConfig
     resume: Optional[checkpoint.ResumePoint]
     lines: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
 
 def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> Checked:
     """Run every local check; a ConfigError lists every problem found (one line when there is
     one). ``files=False``: the memory plan only (planning where the data is not);
     ``data=False``: not the training data (the demo's corpus is made by its launch)."""
-    problems, lines, resume = [], [], None
+    problems, lines, warnings, resume = [], [], [], None
     found = fit_problem(cfg, plan)
     if found:
         problems.append(found)
@@ -44,8 +45,9 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
         for step in (_data_lines, _sft_lines) if data else ():
             lines += step(cfg, plan, problems)
         try:
-            cfg, resume, start = starting_point(cfg, plan)
-            lines += start
+            cfg, resume, start, warning = starting_point(cfg, plan)
+            lines.append(start)
+            warnings += [warning] if warning else []
         except UserError as err:
             problems.append(str(err))
     if len(problems) == 1:
@@ -53,7 +55,7 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
     if problems:  # a problem of several lines (a corpus's files) stays together, indented
         raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(
             problem.replace("\n", "\n    ") for problem in problems))
-    return Checked(cfg, resume, lines)
+    return Checked(cfg, resume, lines, warnings)
 
 
 def _data_lines(cfg: RunConfig, plan: Plan, problems: list[str]) -> list[str]:
@@ -98,7 +100,7 @@ def _sft_lines(cfg: RunConfig, plan: Plan, problems: list[str]) -> list[str]:
 
 def starting_point(cfg: RunConfig, plan: Plan):
     """Check the checkpoint settings and say where the run starts: ``(cfg with checkpoint.load
-    absolute, the resume point or None, lines)``."""
+    absolute, the resume point or None, the line saying where, a warning or None)``."""
     checkpoint.check_sources(cfg)
     if cfg.checkpoint.load:
         load = str(Path(cfg.checkpoint.load).expanduser().resolve())
@@ -110,12 +112,13 @@ def starting_point(cfg: RunConfig, plan: Plan):
     root = checkpoint.save_root(cfg)
     if resume is None:
         source = f" from {cfg.checkpoint.pretrained}" if cfg.checkpoint.pretrained else ""
-        return cfg, None, [f"no checkpoint in {root}: training from scratch{source}"]
-    lines = [f"starting from {resume.path}{' (weights only)' if resume.weights_only else ''} at "
-             f"iteration {resume.iteration} ({resume.iteration * cfg.training.global_batch_size} "
-             f"samples consumed)"]
+        return cfg, None, f"no checkpoint in {root}: training from scratch{source}", None
+    line = (f"starting from {resume.path}{' (weights only)' if resume.weights_only else ''} at "
+            f"iteration {resume.iteration} ({resume.iteration * cfg.training.global_batch_size} "
+            f"samples consumed)")
+    warning = None
     if resume.iteration >= plan.train_iters:
-        lines.append(f"warning: the run in {root} is already complete (iteration "
-                     f"{resume.iteration} of {plan.train_iters}): nothing to train; use another "
-                     f"output.dir or raise the training length")
-    return cfg, resume, lines
+        warning = (f"the run in {root} is already complete (iteration {resume.iteration} of "
+                   f"{plan.train_iters}): nothing to train; use another output.dir or raise the "
+                   f"training length")
+    return cfg, resume, line, warning
