@@ -140,6 +140,34 @@ def test_beacon_writes_progress_beats_and_dumps_stacks_on_sigusr1(tmp_path):
         beacon.close()
 
 
+def test_a_progress_write_that_fails_keeps_the_beat_and_is_retried(tmp_path, caplog):
+    """A full checkpoint disk fails the progress write: the rank and its heartbeat go on, the
+    failure is logged once, and the pending progress reaches the file once it can."""
+    beacon = watchdog.Beacon(tmp_path, "tok", rank=0, world=1, node_id="node-a")
+    folder = watchdog.progress_dir(tmp_path, "tok")
+    progress = folder / "rank_0.json"
+    try:
+        progress.unlink()
+        progress.mkdir()  # a directory where the file goes: every replace fails (an OSError)
+        for i in range(1, 4):
+            beacon.after(i)
+        beacon.saving([tmp_path / "iter_0000003"])  # a write at once fails too: no exception
+        beat_before = (folder / "beat_0").stat().st_mtime
+        time.sleep(3 * watchdog.BEAT_S)
+        assert (folder / "beat_0").stat().st_mtime > beat_before, "the heartbeat stopped"
+        failures = [r for r in caplog.records if "progress file not written" in r.message]
+        assert len(failures) == 1, [r.message for r in failures]
+        progress.rmdir()  # the disk has room again
+        deadline = time.time() + 5 * watchdog.BEAT_S
+        while not progress.is_file():
+            assert time.time() < deadline, "the pending progress was never written"
+            time.sleep(0.05)
+        (info,) = watchdog.read_group(tmp_path, "tok", after=0.0)
+        assert (info["iteration"], info["state"]) == (3, "save")
+    finally:
+        beacon.close()
+
+
 def _stop_process(stopped: dict, proc) -> None:
     os.kill(proc.pid, signal.SIGSTOP)
     stopped.update(pid=proc.pid, at=time.time())
@@ -279,7 +307,7 @@ def test_restarts_that_never_reach_an_iteration_stop_the_run(ray_cluster, corpus
 
     def kill_at_every_start(stop: threading.Event) -> None:
         handled = 0.0  # groups that started before this were killed already
-        while not stop.is_set() and len(killed) < 5:
+        while not stop.is_set() and len(killed) < 3:  # the 4th group stops by itself
             for path in out.glob("ray_train/*/progress/*/rank_*.json"):  # a group starting
                 try:
                     info = json.loads(path.read_text())

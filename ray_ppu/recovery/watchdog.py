@@ -85,7 +85,7 @@ class Beacon:
                       "group_started": time.time(), "iteration": None, "state": "starting",
                       "time": time.time(), "step_s": None, "save_dirs": []}
         self._lock = threading.Lock()
-        self._dirty = False
+        self._dirty = self._unwritten = False
         self._stacks = open(self.dir / f"stacks_{rank}.txt", "w")
         faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True)
         self._stop = threading.Event()
@@ -103,9 +103,22 @@ class Beacon:
             self._stop.wait(BEAT_S)
 
     def _flush(self) -> None:
+        """Write the progress file. A write that fails (the checkpoint disk is full: a failed
+        save is counted and training goes on) never stops the rank or its heartbeat: the
+        progress stays pending, retried at the next beat, and the failure is logged once."""
         with self._lock:
             text, self._dirty = json.dumps(self._info), False
-        atomic_write_text(self.dir / f"rank_{self.rank}.json", text, fsync=False)
+        try:
+            atomic_write_text(self.dir / f"rank_{self.rank}.json", text, fsync=False)
+        except OSError as err:
+            with self._lock:
+                self._dirty = True
+            if not self._unwritten:
+                log.warning("rank %d: progress file not written (%s); retrying every %g s",
+                            self.rank, err, BEAT_S)
+            self._unwritten = True
+        else:
+            self._unwritten = False
 
     def _update(self, *, at_once: bool, **changes) -> None:
         """Change the progress; written at once (a save's start or end, rare) or by the
