@@ -111,7 +111,9 @@ def _numeric(annotation) -> bool:
 
 # Numbers that are not sizes or counts: bounded both ways, with their own rules and tests.
 NOT_SIZES = {"training.adam_beta1", "training.adam_beta2", "memory.optimizer_offload_fraction",
-             "model.hidden_dropout", "model.attention_dropout"}
+             "model.hidden_dropout", "model.attention_dropout", "lora.dropout",
+             # mappings of numbers: each value is held to its bound by the lora rules
+             "lora.rank_pattern", "lora.alpha_pattern"}
 
 
 def test_every_numeric_field_states_its_bound_in_its_docstring():

@@ -83,6 +83,12 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         (item_type,) = typing.get_args(annotation)
         items = value if isinstance(value, list) else [value]
         return [_coerce(item, item_type, f"{where}[{i}]") for i, item in enumerate(items)]
+    if origin is dict:
+        key_type, value_type = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}={value!r}: expected a mapping, e.g. {{linear_qkv: 8}}")
+        return {_coerce(k, key_type, f"{where} key"): _coerce(v, value_type, f"{where}.{k}")
+                for k, v in value.items()}
     if annotation in (int, float) and isinstance(value, str) and _SCIENTIFIC.fullmatch(value):
         value = float(value)  # YAML 1.1 reads "1e10" (no dot) as a string
     if annotation is bool:
@@ -175,10 +181,31 @@ def from_dict(tree: dict) -> RunConfig:
     pretrained = built["checkpoint"].pretrained if "checkpoint" in built else None
     model = (tree or {}).get("model", {})
     built["model"] = _build_model(model, pretrained) if model or pretrained else PRESETS["tiny"]
+    lora = built.get("lora")
+    if lora is not None and lora.adapter:
+        built["lora"] = _lora_from_adapter(lora, (tree or {})["lora"], built["model"])
     if pretrained and "tokenizer" not in (tree or {}).get("data", {}):
         # the model's own tokenizer, as the reference tokenizes with PRETRAIN_CHECKPOINT_PATH
         built["data"] = dataclasses.replace(built.get("data", DataConfig()), tokenizer=pretrained)
     return RunConfig(**built)
+
+
+# What a PEFT adapter (lora.adapter) decides of the lora section.
+_ADAPTER_DECIDES = ("target_modules", "rank", "alpha", "rank_pattern", "alpha_pattern")
+
+
+def _lora_from_adapter(lora, given: dict, model: ModelConfig):
+    """The lora section of a run starting from a PEFT adapter: its targets and ranks (q / k /
+    v stacked into linear_qkv, ...), LoRA on. Setting what the adapter decides is an error."""
+    clash = [f"lora.{key}" for key in _ADAPTER_DECIDES if key in given]
+    if clash:
+        raise ConfigError(f"{', '.join(clash)} and lora.adapter={lora.adapter} both set: the "
+                          f"adapter's targets and ranks are the run's; drop {', '.join(clash)}")
+    # The same arrow back up as for checkpoint.pretrained's config.json: the PEFT mapping
+    # lives in ray_ppu.hf beside the weight mapping it builds on.
+    from ray_ppu.hf.peft import lora_section, read_adapter
+
+    return lora.with_(**lora_section(read_adapter(lora.adapter), model))
 
 
 # Lengths a config may give in iterations or in tokens: one form each.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+from ray_ppu.config.lora import LoraConfig  # noqa: F401 (a section of RunConfig)
 from ray_ppu.config.model import ModelConfig  # noqa: F401 (a section of RunConfig)
 
 
@@ -341,6 +342,7 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

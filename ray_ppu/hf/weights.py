@@ -37,6 +37,7 @@ from typing import Iterator, Optional
 import torch
 
 from ray_ppu.util.wrappers import unwrap
+from ray_ppu.config.lora import is_adapter_key
 from ray_ppu.config.schema import ModelConfig
 from ray_ppu.hf.files import Checkpoint
 
@@ -245,6 +246,8 @@ def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: 
         module = unwrap(chunk)
         filled = 0
         for sh in _sharded_tensors(module):
+            if is_adapter_key(sh.key):  # LoRA's: drawn, or read from a PEFT adapter
+                continue
             # leading axes: the layer, and for experts the global expert index
             prepend = sh.prepend_axis_num
             layer = sh.global_offset[0] if prepend else None
@@ -255,7 +258,8 @@ def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: 
             fill_region(ckpt, model, padded_vocab, sh.key, layer,
                         tuple(sh.global_offset[prepend:]), sh.data, expert)
             filled += sh.data.numel()
-        total = sum(p.numel() for p in module.parameters())
+        total = sum(p.numel() for name, p in module.named_parameters()
+                    if not is_adapter_key(name))
         if filled != total:
             raise RuntimeError(f"loaded {filled} of the {total} parameter elements of a model "
                                f"chunk: its sharded state dict does not cover every parameter")

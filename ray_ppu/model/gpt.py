@@ -148,9 +148,10 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        # MoE: TE's grouped GEMM for the experts (one kernel for all local experts)
+        # MoE: TE's grouped GEMM for the experts (one kernel for all local experts), unless
+        # LoRA adapts them (megatron_settings.moe_settings)
         layer_spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.num_moe_experts),
+            num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm),
             qk_layernorm=config.qk_layernorm)
     else:
         layer_spec = None  # per chunk: local_block_spec
@@ -176,6 +177,13 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
         )
         if model.post_process and plan.padded_vocab_size > cfg.model.vocab_size:
             mask_padded_vocab(model.output_layer, cfg.model.vocab_size)
+        if cfg.lora.enabled:  # adapters on the frozen base, before DDP sees what trains
+            from ray_ppu.model.lora import attach
+
+            attach(model, cfg.lora, cfg.model.is_moe,
+                   tied=not cfg.model.untie_embeddings_and_output_weights,
+                   seed=cfg.training.seed, sequence_parallel=plan.sequence_parallel,
+                   dtype=config.params_dtype)
         if backend == "ppu":
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:

@@ -122,8 +122,9 @@ def moe_settings(cfg: RunConfig, plan, te: bool) -> dict:
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_token_dispatcher_type=cfg.parallel.moe_token_dispatcher_type,
         # TE's grouped GEMM runs every local expert in one kernel; the local spec loops over
-        # them (SequentialMLP). The fused permutation needs TE ≥ 2.1: left off.
-        moe_grouped_gemm=te,
+        # them (SequentialMLP), as TE does where LoRA adapts the experts (its adapters hook
+        # each expert's linears). The fused permutation needs TE ≥ 2.1: left off.
+        moe_grouped_gemm=te and not cfg.lora.on_experts(m.is_moe),
         moe_permute_fusion=False,
         expert_model_parallel_size=plan.expert_model_parallel_size,
         expert_tensor_parallel_size=plan.expert_tensor_parallel_size,

@@ -47,8 +47,14 @@ def built_model(cfg: RunConfig, plan: Plan, backend: str,
             parallel.destroy()
 
 
-def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan) -> None:
-    """Fill the model chunks from ``source`` (each rank reads its own part)."""
+def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
+                 adapter=None) -> None:
+    """Fill the model chunks from ``source`` (each rank reads its own part), and their LoRA
+    adapters from a PEFT ``adapter`` (:func:`ray_ppu.hf.peft.read_adapter`) if given."""
+    if adapter is not None:
+        from ray_ppu.hf.peft import load_into
+
+        load_into(chunks, adapter, cfg.model, cfg.lora)
     if source.kind == "hf":
         from ray_ppu.hf.weights import load_pretrained
 

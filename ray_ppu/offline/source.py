@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal, Optional
 
 from ray_ppu.config.schema import (
     ClusterConfig,
+    LoraConfig,
     DataConfig,
     ModelConfig,
     ParallelConfig,
@@ -88,15 +89,16 @@ def open_source(path: str | Path) -> Source:
 def inference_config(model: ModelConfig, world_size: int, tp: int = 1, pp: int = 1,
                      layers_per_virtual_stage: Optional[int] = None,
                      precision: str = "fp32", device: str = "auto", ep: int = 1,
-                     etp: Optional[int] = None) -> tuple[RunConfig, Plan]:
+                     etp: Optional[int] = None, lora: Optional[LoraConfig] = None,
+                     sequence_parallel: bool = False) -> tuple[RunConfig, Plan]:
     """A RunConfig and Plan for forward passes of ``model`` at TP × PP (DP = the rest), a MoE
-    model's experts at EP × ETP (ETP None: TP)."""
+    model's experts at EP × ETP (ETP None: TP), with ``lora``'s adapters if given."""
     cfg = RunConfig(
         model=model,
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 num_layers_per_virtual_pipeline_stage=layers_per_virtual_stage,
-                                sequence_parallel=False, expert_model_parallel_size=ep,
-                                expert_tensor_parallel_size=etp),
+                                sequence_parallel=sequence_parallel,
+                                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp),
         # one sequence per DP replica (a replica beyond the first repeats the first's work)
         training=TrainingConfig(micro_batch_size=1,
                                 global_batch_size=max(world_size // (tp * pp), 1),
@@ -105,5 +107,6 @@ def inference_config(model: ModelConfig, world_size: int, tp: int = 1, pp: int =
                                 use_distributed_optimizer=False),
         cluster=ClusterConfig(num_workers=world_size, device=device),
         data=DataConfig(data_path=["(inference: no data)"]),
+        lora=lora or LoraConfig(),
     )
     return cfg, build_plan(cfg, forward_only=True)

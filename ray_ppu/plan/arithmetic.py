@@ -5,6 +5,7 @@ memory plan builds on :func:`stage_parameters`."""
 from __future__ import annotations
 
 from ray_ppu.config.schema import RunConfig
+from ray_ppu.plan import lora
 
 
 def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
@@ -17,8 +18,12 @@ def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
     (Qwen3-30B-A3B: 128 of the 8 × 3 × 768 = 18 432 MLP columns a token meets, 0.7 %).
 
     Forward + backward = 3 × forward, 2 FLOPs per multiply-add, hence the 6s. Core attention
-    counts QKᵀ and AV, halved for the causal mask: 6·s²·q per layer and sample.
+    counts QKᵀ and AV, halved for the causal mask: 6·s²·q per layer and sample. A LoRA run
+    (frozen base: no weight-gradient GEMMs) counts what it computes instead:
+    :func:`ray_ppu.plan.lora.flops_per_iteration`.
     """
+    if cfg.lora.enabled:
+        return lora.flops_per_iteration(cfg, padded_vocab_size)[0]
     m, t = cfg.model, cfg.training
     h, L, s, B = m.hidden_size, m.num_layers, t.seq_length, t.global_batch_size
     q = m.effective_kv_channels * m.num_attention_heads
@@ -43,7 +48,10 @@ def _router(m) -> int:
 
 def attention_flops_coefficient(cfg: RunConfig) -> float:
     """Core attention FLOPs per sample ÷ its length²: 6·L·q (QKᵀ and AV, halved by the causal
-    mask, times 3 for forward + backward)."""
+    mask, times 3 for forward + backward; a LoRA run's layers without a gradient into their
+    attention count forward only)."""
+    if cfg.lora.enabled:
+        return lora.flops_per_iteration(cfg, cfg.model.padded_vocab_size(1))[1]
     m = cfg.model
     return 6.0 * m.num_layers * m.effective_kv_channels * m.num_attention_heads
 

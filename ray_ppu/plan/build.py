@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import ConfigError
-from ray_ppu.plan import derived, rules
+from ray_ppu.plan import derived, lora, rules
 from ray_ppu.plan.arithmetic import (active_parameters, attention_flops_coefficient,
                                      flops_per_iteration, stage_parameters)
 from ray_ppu.plan.layout import ParallelDims, active_workers
@@ -52,6 +52,9 @@ class Plan:
     # packed rows count their samples' lengths instead of seq_length
     attention_flops_coefficient: float = 0.0
     spare_workers: int = 0  # workers in the Ray group beyond world_size, outside Megatron's groups
+    # what trains (all of it, but for LoRA: the adapters and the base parts lora.trainable names)
+    num_trainable_parameters: int = 0
+    num_trainable_parameters_per_device: int = 0
 
     @property
     def dims(self) -> ParallelDims:
@@ -83,6 +86,8 @@ def build_plan(cfg: RunConfig, forward_only: bool = False) -> Plan:
     evaluations = train_iters // t.eval_interval + 1 if t.eval_interval > 0 else 0
     padded_vocab = m.padded_vocab_size(tp)
     total, first, last = stage_parameters(cfg, tp, pp, padded_vocab, dims.ep, dims.etp)
+    trainable = (lora.trainable_parameters(cfg, tp, pp, padded_vocab, dims.ep, dims.etp)
+                 if cfg.lora.enabled else (total, first, last))
     return Plan(
         world_size=dims.world_size,
         tensor_model_parallel_size=tp,
@@ -114,6 +119,8 @@ def build_plan(cfg: RunConfig, forward_only: bool = False) -> Plan:
         num_parameters_per_device=max(first, last),
         flops_per_iteration=float(flops_per_iteration(cfg, padded_vocab)),
         attention_flops_coefficient=attention_flops_coefficient(cfg),
+        num_trainable_parameters=trainable[0],
+        num_trainable_parameters_per_device=max(trainable[1:]),
     )
 
 

@@ -4,7 +4,8 @@ renting the devices. Pure arithmetic on the config and plan (no torch); ``--dry-
 Per device of the most loaded pipeline stage:
 
 - parameters: its parameter count × 2 bytes (bf16 / fp16 / fp8 keep bf16 or fp16 weights; fp32: 4);
-- gradients: Megatron DDP's fp32 gradient buffers, 4 bytes per parameter;
+- gradients: Megatron DDP's fp32 gradient buffers, 4 bytes per parameter that trains (a LoRA
+  run's frozen base has none, nor optimizer state or snapshots);
 - optimizer: Adam's two fp32 moments plus the fp32 master weights of 16-bit runs (12 bytes per
   parameter, 8 in fp32), divided over DP × CP by the distributed optimizer (a MoE model's
   expert weights, split by EP × ETP, over expert-DP); the offloaded fraction lives on the host
@@ -26,6 +27,7 @@ from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices.specs import SPECS
+from ray_ppu.plan import lora
 from ray_ppu.plan.arithmetic import expert_parameters_per_device, stage_parameters
 from ray_ppu.plan.te_options import uses_transformer_engine
 
@@ -58,6 +60,13 @@ class MemoryPlan:
     """Host memory the snapshots of this device take on the nodes: the keepers hold the newest
     2 per rank and a replica of each on another node, plus the copy in flight (× 5; × 3 on
     one node). Per node: this × the node's PPUs."""
+    trainable_parameters: int = 0
+    """Parameters on this device that train (every one, but for LoRA: adapters and the base
+    parts lora.trainable names): only these have gradients and optimizer state."""
+    frozen_parameters: int = 0
+    """Parameters on this device that stay fixed (LoRA's base)."""
+    trainable_parameters_gib: float = 0.0
+    frozen_parameters_gib: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,10 +190,15 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
             offload = offload_fraction(cfg, plan)
     pp, ep, etp = (plan.pipeline_model_parallel_size, plan.expert_model_parallel_size,
                    plan.expert_tensor_parallel_size)
-    _, first, last = stage_parameters(cfg, plan.tensor_model_parallel_size, pp,
-                                      plan.padded_vocab_size, ep, etp)
+    tp = plan.tensor_model_parallel_size
+    _, first, last = stage_parameters(cfg, tp, pp, plan.padded_vocab_size, ep, etp)
     experts = expert_parameters_per_device(cfg, pp, ep, etp)
     stages = {"only": first} if pp == 1 else {"first": first, "last": last}
+    trains = {"only": first, "first": first, "last": last}
+    if cfg.lora.enabled:  # gradients and optimizer state for what trains only
+        _, lfirst, llast = lora.trainable_parameters(cfg, tp, pp, plan.padded_vocab_size, ep, etp)
+        trains = {"only": lfirst, "first": lfirst, "last": llast}
+        experts = lora.expert_adapter_parameters_per_device(cfg, pp, ep, etp)
     param_bytes = _element_bytes(cfg)
     optimizer_per_param = 8 + (4 if t.precision != "fp32" else 0)
     distributed = t.use_distributed_optimizer
@@ -193,16 +207,17 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
     best = None
     for stage, params in stages.items():
         per_chunk, in_flight, unit = _activation_bytes(cfg, plan, te, stage)
-        optimizer = ((params - experts) / shards + experts / expert_shards) * optimizer_per_param
-        snapshot = params * param_bytes + optimizer  # weights + main copies and Adam's shard
+        trainable = trains[stage]
+        optimizer = ((trainable - experts) / shards + experts / expert_shards) * optimizer_per_param
+        snapshot = trainable * param_bytes + optimizer  # weights + main copies and Adam's shard
         activations = per_chunk * in_flight + unit
-        total = params * (param_bytes + 4) + optimizer * (1 - offload) + activations
+        total = params * param_bytes + trainable * 4 + optimizer * (1 - offload) + activations
         candidate = MemoryPlan(
             accelerator=cfg.cluster.accelerator,
             device_memory_gib=device_gib,
             stage=stage,
             parameters_gib=params * param_bytes / GIB,
-            gradients_gib=params * 4 / GIB,
+            gradients_gib=trainable * 4 / GIB,
             optimizer_gib=optimizer * (1 - offload) / GIB,
             optimizer_host_gib=optimizer * offload / GIB,
             optimizer_offload_fraction=offload,
@@ -214,6 +229,10 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
             fits=total / GIB <= HEADROOM * device_gib,
             snapshot_gib=snapshot / GIB,
             snapshot_host_gib=snapshot * SNAPSHOT_COPIES / GIB,
+            trainable_parameters=trainable,
+            frozen_parameters=params - trainable,
+            trainable_parameters_gib=trainable * param_bytes / GIB,
+            frozen_parameters_gib=(params - trainable) * param_bytes / GIB,
         )
         if best is None or candidate.total_gib > best.total_gib:
             best = candidate

@@ -12,6 +12,7 @@ from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import ConfigError
+from ray_ppu.plan import lora
 from ray_ppu.plan.derived import (TOKEN_FORMS, expert_sizes, layers_per_chunk,
                                   schedule_iterations, tokens_per_iteration)
 from ray_ppu.plan.layout import ParallelDims, active_workers
@@ -26,12 +27,13 @@ def problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     arithmetic on a zero or negative number would only add noise."""
     sizes = size_problems(cfg)
     if sizes:
-        return sizes + run_problems(cfg) + checkpoint_problems(cfg)
+        return sizes + run_problems(cfg) + checkpoint_problems(cfg) + lora.problems(cfg, forward_only)
     found = (layout_problems(cfg) + model_problems(cfg) + moe_problems(cfg, forward_only)
              + _option_problems(cfg, layers_per_chunk(cfg)) + batch_problems(cfg))
     # Megatron's scheduler asserts warmup < decay: worth saying only of an otherwise sound config
     found += schedule_problems(cfg, check_warmup=not found)
-    return found + run_problems(cfg) + checkpoint_problems(cfg) + _data_problems(cfg)
+    return (found + run_problems(cfg) + checkpoint_problems(cfg)
+            + lora.problems(cfg, forward_only) + _data_problems(cfg))
 
 
 def dims_or_none(cfg: RunConfig) -> Optional[ParallelDims]:

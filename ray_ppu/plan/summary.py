@@ -17,7 +17,7 @@ def summary_lines(cfg: RunConfig, plan, memory: MemoryPlan) -> list[str]:
                    f"{plan.valid_samples} in all"] if plan.eval_iters else [])
     return ([_layout(plan), _batch(cfg, plan), _schedule(cfg, plan)]
             + [f"note: {line}" for line in rounded_to_zero(cfg)] + validation
-            + [_model(plan), _memory(memory)])
+            + [_model(plan)] + _lora(cfg, plan) + [_memory(memory)])
 
 
 def _layout(plan) -> str:
@@ -56,6 +56,19 @@ def _model(plan) -> str:
             f"{plan.flops_per_iteration:.3g} FLOPs per iteration")
 
 
+def _lora(cfg: RunConfig, plan) -> list[str]:
+    """What a LoRA run trains: its count and share, and the adapters."""
+    if not cfg.lora.enabled:
+        return []
+    lora, share = cfg.lora, plan.num_trainable_parameters / plan.num_parameters
+    ranks = ", ".join(f"{t} r{lora.rank_of(t)}" for t in lora.targets(cfg.model.is_moe))
+    also = f"; also training {', '.join(lora.trainable)}" if lora.trainable else ""
+    return [f"trainable: {_count(plan.num_trainable_parameters)} of "
+            f"{_count(plan.num_parameters)} parameters ({share:.2%}), "
+            f"{_count(plan.num_trainable_parameters_per_device)} on the most loaded device: "
+            f"LoRA {ranks}{also}; the base is frozen"]
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
 
@@ -65,7 +78,9 @@ def _memory(m: MemoryPlan) -> str:
     stage = "" if m.stage == "only" else f", {m.stage} pipeline stage"
     offload = (f", {m.optimizer_host_gib:.1f} GiB of optimizer on the host"
                if m.optimizer_host_gib else "")
+    split = (f" (frozen {m.frozen_parameters_gib:.1f}, trainable "
+             f"{m.trainable_parameters_gib:.2f})" if m.frozen_parameters else "")
     return (f"memory per device ({m.accelerator}, {m.device_memory_gib:g} GiB{stage}): "
-            f"{m.total_gib:.1f} GiB = parameters {m.parameters_gib:.1f} + gradients "
+            f"{m.total_gib:.1f} GiB = parameters {m.parameters_gib:.1f}{split} + gradients "
             f"{m.gradients_gib:.1f} + optimizer {m.optimizer_gib:.1f} + activations "
             f"{m.activations_gib:.1f}{offload}: {verdict} in {HEADROOM:.0%} of the device")
