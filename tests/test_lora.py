@@ -12,6 +12,7 @@ layout's gradients to TP 1's: the sharded adapters and their communication are u
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -25,11 +26,12 @@ from ray_ppu.util.net import free_port
 
 TOKENS = [5, 17, 300, 999, 42, 7, 8, 9, 123, 456, 2, 0, 77]  # 12 inputs: SP splits them
 RANK, ALPHA = 4, 8.0
-# (model, adapter, TP, PP, layers per virtual stage, EP, ETP, SP, gradients)
+# (model, adapter, TP, PP, layers per virtual stage, EP, ETP, SP, gradients[, recompute])
 RUNS = [
     ("qwen", "shared", 1, 1, None, 1, None, False, True),
     ("qwen", "shared", 2, 1, None, 1, None, False, True),
     ("qwen", "shared", 2, 1, None, 1, None, True, True),
+    ("qwen", "shared", 2, 1, None, 1, None, True, True, "full"),  # full recompute: hooks rerun
     ("qwen", "shared", 1, 2, None, 1, None, False, True),
     ("qwen", "shared", 1, 2, 1, 1, None, False, True),
     ("qwen", "stacked", 1, 1, None, 1, None, False, False),
@@ -40,9 +42,13 @@ RUNS = [
 ]
 
 
+TRAIN = (2, True)  # the frozen-base training check: TP 2 with SP, on both ranks
+
+
 def run_name(run) -> str:
-    model, adapter, tp, pp, vs, ep, etp, sp, _ = run
-    return f"{model}_{adapter}_tp{tp}_pp{pp}_vs{vs}_ep{ep}_etp{etp}_sp{int(sp)}"
+    model, adapter, tp, pp, vs, ep, etp, sp, _, *recompute = run
+    return (f"{model}_{adapter}_tp{tp}_pp{pp}_vs{vs}_ep{ep}_etp{etp}_sp{int(sp)}"
+            + "".join(f"_recompute_{r}" for r in recompute))
 
 
 def _peft_model(kind: str, base, adapter: str):
@@ -119,7 +125,8 @@ def peft_dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def launched(peft_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_layouts")
-    jobs = {"out": str(out), "dirs": {k: str(v) for k, v in peft_dirs.items()}, "runs": RUNS}
+    jobs = {"out": str(out), "dirs": {k: str(v) for k, v in peft_dirs.items()}, "runs": RUNS,
+            "train": TRAIN}
     (out / "jobs.json").write_text(json.dumps(jobs))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -178,6 +185,23 @@ def test_gradients_at_every_layout_equal_tp1(run, launched):
     assert sorted(ours) == sorted(reference) and ours
     for key in reference:
         torch.testing.assert_close(ours[key], reference[key], rtol=0, atol=2e-6, msg=key)
+
+
+def test_a_frozen_base_costs_no_gradients_or_optimizer_state_and_never_changes(launched):
+    """Three real optimizer steps (TP 2, SP, DDP, distributed optimizer): no frozen weight
+    changed by a single bit, every adapter did; Adam's state and DDP's gradient buffers hold
+    exactly the adapters' elements (none for the base, 97 % of the parameters here), which is
+    the plan's count of what trains on a device."""
+    ranks = json.loads((launched / "frozen.json").read_text())
+    assert len(ranks) == 2
+    for rank in ranks:
+        assert rank["frozen_changed"] == [] and rank["frozen"] > 10 * rank["trainable"]
+        assert rank["adapters_changed"] == 32  # 4 layers × 4 targets × (A, B), each rank
+        assert rank["adam_elements"] == rank["trainable"] // rank["dp"]
+        assert rank["frozen_with_main_grad"] == 0
+        # DDP aligns each parameter in its buffer: at most 64 elements of padding each
+        assert rank["trainable"] <= rank["grad_buffer_elements"] <= rank["trainable"] + 64 * 32
+        assert rank["trainable"] == rank["plan_trainable_per_device"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +281,82 @@ def _loss_and_grads(chunks: list) -> float:
     return mean_loss(sum_reports(reports, None), torch.device("cpu"))
 
 
+def _train_frozen(jobs: dict, out: Path) -> None:
+    """Three optimizer steps of the real train_step (TP 2 with SP, DDP, the distributed
+    optimizer) on the Qwen2 base with the PEFT adapter: every rank reports its frozen
+    weights before and after, its adapters' change, the elements its Adam state and its
+    DDP gradient buffers hold, and the plan's trainable parameters per device."""
+    import torch.distributed as dist
+
+    from ray_ppu import devices
+    from ray_ppu.config.lora import LoraConfig
+    from ray_ppu.hf.peft import load_into, lora_section, read_adapter
+    from ray_ppu.hf.weights import load_pretrained
+    from ray_ppu.model import parallel
+    from ray_ppu.model.gpt import build_model
+    from ray_ppu.model.optim import build_optimizer
+    from ray_ppu.offline import inference
+    from ray_ppu.plan import build_plan
+    from ray_ppu.train.loop import TrainState, _Window, _wire_gradient_sync, train_step
+    from ray_ppu.train.schedule import make_schedule
+    from ray_ppu.util.wrappers import unwrap
+
+    tp, sp = jobs["train"]
+    source = inference.open_source(jobs["dirs"]["qwen"])
+    adapter = read_adapter(jobs["dirs"]["shared"])
+    lora = LoraConfig(**lora_section(adapter, source.model))
+    cfg, _ = inference.inference_config(source.model, dist.get_world_size(), tp, device="cpu",
+                                        lora=lora, sequence_parallel=sp)
+    dp = dist.get_world_size() // tp
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, seq_length=len(TOKENS) - 1, global_batch_size=2 * dp, train_iters=3,
+        lr=1e-2, use_distributed_optimizer=True, lr_warmup_iters=0),
+        checkpoint=dataclasses.replace(cfg.checkpoint, pretrained=str(source.path)))
+    plan = build_plan(cfg)
+    batch = {"tokens": [TOKENS[:-1]], "labels": [TOKENS[1:]], "loss_mask": [[1.0] * 12],
+             "position_ids": [list(range(12))]}
+    with devices.bound("cpu", 0):
+        parallel.initialize(plan, cfg.training.seed)
+        try:
+            model, _ = build_model(cfg, plan, "cpu", initialize=False)
+            optimizer, scheduler = build_optimizer(cfg, plan, model)
+            load_pretrained(model, str(source.path), cfg.model, plan.padded_vocab_size)
+            load_into(model, adapter, cfg.model, cfg.lora)
+            optimizer.reload_model_params()
+            named = dict(unwrap(model[0]).named_parameters())
+            before = {n: p.detach().clone() for n, p in named.items()}
+            state = TrainState(plan, model, optimizer, scheduler, torch.device("cpu"))
+            _wire_gradient_sync(model, optimizer)
+            schedule = make_schedule(plan, model, torch.device("cpu"))
+            window = _Window(start=0.0)
+            for _ in range(3):
+                train_step(state, schedule, iter([batch] * 8), window)
+            adam = sum(v.numel() for opt in optimizer.chained_optimizers
+                       for st in opt.optimizer.state.values() for k, v in st.items()
+                       if k == "exp_avg")
+            buffers = sum(b.numel_unpadded for chunk in model for b in chunk.buffers)
+            report = {
+                "frozen_changed": [n for n, p in named.items() if not p.requires_grad
+                                   and not torch.equal(p, before[n])],
+                "frozen": sum(p.numel() for p in named.values() if not p.requires_grad),
+                "adapters_changed": sum(not torch.equal(p, before[n])
+                                        for n, p in named.items() if p.requires_grad),
+                "trainable": sum(p.numel() for p in named.values() if p.requires_grad),
+                "adam_elements": adam, "grad_buffer_elements": buffers,
+                "frozen_with_main_grad": sum(hasattr(p, "main_grad") for p in named.values()
+                                             if not p.requires_grad),
+                "plan_trainable_per_device": plan.num_trainable_parameters_per_device,
+                "dp": plan.data_parallel_size, "loss_sum": window.loss_sum.tolist()
+                if window.loss_sum is not None else None,
+            }
+        finally:
+            parallel.destroy()
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() == 0:
+        (out / "frozen.json").write_text(json.dumps(reports))
+
+
 def _run_layouts(jobs: dict) -> None:
     import logging
 
@@ -273,13 +373,16 @@ def _run_layouts(jobs: dict) -> None:
     out, dirs = Path(jobs["out"]), jobs["dirs"]
     with parallel.process_group("cpu"):
         for run in jobs["runs"]:
-            kind, adapter_name, tp, pp, vs, ep, etp, sp, grads = run
+            kind, adapter_name, tp, pp, vs, ep, etp, sp, grads, *recompute = run
             source = inference.open_source(dirs[kind])
             adapter = read_adapter(dirs[adapter_name])
             lora = LoraConfig(**lora_section(adapter, source.model))
             cfg, plan = inference.inference_config(source.model, dist.get_world_size(), tp, pp,
                                                    vs, device="cpu", ep=ep, etp=etp, lora=lora,
                                                    sequence_parallel=sp)
+            if recompute:
+                cfg = dataclasses.replace(cfg, memory=dataclasses.replace(
+                    cfg.memory, recompute=recompute[0]))
             with devices.bound("cpu", 0):
                 parallel.initialize(plan, cfg.training.seed)
                 try:
@@ -291,6 +394,8 @@ def _run_layouts(jobs: dict) -> None:
                                                      source.model.vocab_size, torch.device("cpu"))
                     result = {"logits": logits}
                     if grads:
+                        for chunk in chunks:  # recompute acts in training mode only
+                            chunk.train()
                         result["loss"] = _loss_and_grads(chunks)
                         result["grads"] = _gather_adapter_grads(chunks)
                     else:
@@ -300,6 +405,7 @@ def _run_layouts(jobs: dict) -> None:
                     parallel.destroy()
             if dist.get_rank() == 0:
                 torch.save(result, out / f"{run_name(run)}.pt")
+        _train_frozen(jobs, out)
 
 
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed

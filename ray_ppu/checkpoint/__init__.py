@@ -44,11 +44,14 @@ The modules, one concern each
 * ``optimizer_workarounds``: the Megatron-Core 0.16.1 workarounds.
 * ``saver``: :class:`Saver`, collective saves that are complete everywhere or not at all.
 * ``loading``: :func:`load`.
+* ``parts``: which part of a model a checkpoint or snapshot holds (a LoRA run's: what trains).
+* ``base``: a LoRA run's base model, and the fingerprint that ties its checkpoints to it.
 
 Megatron-Core is imported only inside the functions that save and load: the driver
 (``launcher``, ``ray_worker``) imports this package and must not import Megatron-Core.
 """
 
+from ray_ppu.checkpoint import base, parts
 from ray_ppu.checkpoint.layout import (
     FORMAT_VERSION,
     META_FILE,
@@ -81,5 +84,5 @@ __all__ = [
     "OPTIMIZER_FORMAT", "ResumePoint", "STREAM_START_FILE", "Saver", "check_sources",
     "checkpoint_dirs", "complete_checkpoints", "config_hash", "damage", "latest", "load",
     "origin", "prune", "read_meta", "record_stream_start", "remove_incomplete", "resume_point",
-    "run_name", "save_root",
+    "run_name", "save_root", "base", "parts",
 ]

@@ -64,6 +64,12 @@ class Meta:
     back, with its token ids and other fields ray_ppu has no use for)."""
     hf_source: Optional[str] = None
     """That Hugging Face directory (export copies its tokenizer and generation config)."""
+    lora: Optional[dict] = None
+    """A LoRA run's lora section: the checkpoint holds its adapters (and the base parts it
+    trains), not the base."""
+    base: Optional[dict] = None
+    """A LoRA run's base: path, kind (hf / mcore) and content fingerprint
+    (:mod:`ray_ppu.checkpoint.base`); a resume on another base is refused."""
 
     @classmethod
     def from_dict(cls, values: dict) -> "Meta":
@@ -91,6 +97,8 @@ def config_hash(cfg: RunConfig) -> str:
         "data": [d.data_path, d.valid_data_path, d.split, d.eod_token_id],
         "training": [t.global_batch_size, t.seq_length, t.seed],
     }
+    if cfg.lora.enabled:  # (a full run's hash is what it was before LoRA existed)
+        key["lora"] = dataclasses.asdict(cfg.lora.with_(adapter=None))
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -10,8 +10,11 @@ Megatron-Core is imported when a load runs: the driver imports this package and 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from ray_ppu.checkpoint import base, parts
 from ray_ppu.checkpoint.layout import META_FILE, _warn_once, config_hash, read_meta
 from ray_ppu.checkpoint.optimizer_workarounds import _restore_adam_steps
 from ray_ppu.checkpoint.resume import ResumePoint, _check_model
@@ -27,9 +30,12 @@ def _layout_text(tp: int, pp: int, ep: int, etp: int) -> str:
     return f"TP {tp} × PP {pp}" + (f", experts EP {ep} × ETP {etp}" if ep * etp > 1 else "")
 
 
-def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunConfig) -> int:
+def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunConfig,
+         base_identity: Optional[dict] = None) -> int:
     """Load ``resume`` into the freshly built model (and optimizer, schedule, RNG unless
-    ``weights_only``); collective. Returns the iteration training continues at.
+    ``weights_only``); collective. Returns the iteration training continues at. A LoRA run
+    loads its own checkpoints' adapters (refused on another base than ``base_identity``), or
+    with ``weights_only`` its base's weights.
 
     1. Check the meta against this run: same global batch and config hash for an exact resume;
        the DP size may differ (the optimizer layout re-cuts), TP/PP may not (weights only may).
@@ -65,7 +71,17 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
             _warn_once(f"{resume.path} was saved by a run with another model/data/batch "
                        f"configuration (hash {meta.config_hash} != {config_hash(cfg)})")
 
-    state = _sharded_state(model, None if resume.weights_only else optimizer, is_loading=True)
+    # a LoRA run loads what it trains from its own checkpoints, and its base weights only
+    part = parts.of_run(cfg)
+    if cfg.lora.enabled:
+        if resume.weights_only != (resume.meta.lora is None):
+            raise CheckpointError(f"{resume.path}: " + (
+                "a LoRA checkpoint (adapters only) is no base to load" if resume.weights_only
+                else "not a checkpoint of a LoRA run to resume (it holds every weight)"))
+        part = "base" if resume.weights_only else "trainable"
+        base.check_same_base(resume.path, resume.meta.base, base_identity)
+    state = _sharded_state(model, None if resume.weights_only else optimizer, is_loading=True,
+                           part=part)
     if not resume.weights_only:
         state["scheduler"] = None
         state["iteration"] = None
@@ -74,11 +90,9 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
             state["rng_state"] = _rng_sharded(with_cuda=False)
     loaded = dist_checkpointing.load(state, resume.path)
 
-    if len(model) == 1:
-        unwrap(model[0]).load_state_dict(loaded["model"], strict=True)
-    else:
-        for i, chunk in enumerate(model):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+    for i, chunk in enumerate(model):
+        parts.load(unwrap(chunk), loaded["model" if len(model) == 1 else f"model{i}"], part,
+                   resume.path)
     if resume.weights_only:
         # The optimizer copied the (random) weights into its main parameters when it was built.
         if optimizer is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ray_ppu.checkpoint import base
 from ray_ppu.checkpoint.layout import META_FILE, Meta, damage, latest, read_meta, save_root
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.data.sampler import valid_start
@@ -46,13 +47,14 @@ def resume_point(cfg: RunConfig) -> Optional[ResumePoint]:
 
     1. The latest complete checkpoint in the run's own save root: an exact resume.
     2. Else ``checkpoint.load``: a checkpoint directory, or a directory of them (the latest
-       complete one); weights only when ``checkpoint.finetune``.
+       complete one); weights only when ``checkpoint.finetune``. Not for LoRA, whose
+       ``checkpoint.load`` is the base it reads at every start (:mod:`ray_ppu.checkpoint.base`).
     3. Else None: a fresh start.
     """
     own = latest(save_root(cfg))
     if own is not None:
         return ResumePoint(str(own[0]), own[1])
-    if not cfg.checkpoint.load:
+    if not cfg.checkpoint.load or cfg.lora.enabled:  # LoRA: checkpoint.load is the base
         return None
     load = Path(cfg.checkpoint.load).expanduser()
     meta = read_meta(load)
@@ -83,13 +85,34 @@ def check_sources(cfg: RunConfig) -> None:
         from ray_ppu.hf.weights import check_checkpoint
 
         check_checkpoint(c.pretrained, cfg.model)
-    if c.load:
+    if cfg.lora.enabled:
+        _check_lora_sources(cfg)
+    elif c.load:
         try:
             start = resume_point(cfg)
         except CheckpointError:
             return  # the workers' load names what is wrong with it
         if start is not None:
             _check_model(start, cfg)
+
+
+def _check_lora_sources(cfg: RunConfig) -> None:
+    """A LoRA run's base: a checkpoint.load with every weight of this model (not another LoRA
+    run's adapters); and a checkpoint of its own it resumes from was trained on that base."""
+    found = base.base_dir(cfg)
+    if found is None:
+        return  # the plan's rules name the missing base
+    kind, path = found
+    if kind == "mcore":
+        meta = read_meta(path)
+        if meta.lora is not None:
+            raise ConfigError(f"checkpoint.load {path} holds a LoRA run's adapters, not a base "
+                              f"model: merge them into one first (convert_checkpoint.py "
+                              f"mcore-to-hf --merge), or continue that run in its own output.dir")
+        _check_model(ResumePoint(str(path), meta, weights_only=True), cfg)
+    own = latest(save_root(cfg))
+    if own is not None:
+        base.check_same_base(str(own[0]), own[1].base, base.identity(cfg))
 
 
 # Fields that shape the weights: a checkpoint of another architecture cannot be loaded.
@@ -118,16 +141,21 @@ def _check_model(start: ResumePoint, cfg: RunConfig) -> None:
 
 def origin(cfg: RunConfig, resume: Optional[ResumePoint]) -> dict:
     """Where the run's weights came from, for its checkpoints' meta: the Hugging Face config
-    and directory of ``checkpoint.pretrained``, or carried over from the checkpoint it loaded."""
+    and directory of ``checkpoint.pretrained``, or carried over from the checkpoint it loaded;
+    for LoRA also the base's identity (:func:`ray_ppu.checkpoint.base.identity`)."""
+    found = {"base": base.identity(cfg)} if cfg.lora.enabled else {}
     if resume is not None:
         meta = resume.meta
-        return {"hf_config": meta.hf_config, "hf_source": meta.hf_source}
+        return {**found, "hf_config": meta.hf_config, "hf_source": meta.hf_source}
     if cfg.checkpoint.pretrained:
         from ray_ppu.hf import config as hf_config
 
         source = Path(cfg.checkpoint.pretrained).expanduser().resolve()
-        return {"hf_config": hf_config.read(source), "hf_source": str(source)}
-    return {}
+        return {**found, "hf_config": hf_config.read(source), "hf_source": str(source)}
+    if cfg.lora.enabled and cfg.checkpoint.load:  # the base checkpoint's own origin
+        meta = read_meta(base.base_dir(cfg)[1])
+        return {**found, "hf_config": meta.hf_config, "hf_source": meta.hf_source}
+    return found
 
 
 def record_stream_start(cfg: RunConfig, token: str, resume: Optional[ResumePoint],

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ray_ppu.checkpoint import parts
 from ray_ppu.checkpoint.layout import META_FILE, Meta, _new_dir, config_hash
 from ray_ppu.checkpoint.optimizer_workarounds import (
     _align_param_group_index_map,
@@ -45,14 +46,16 @@ from ray_ppu.util.wrappers import unwrap
 OPTIMIZER_FORMAT = "dp_reshardable"
 
 
-def _sharded_state(model: list, optimizer, is_loading: bool) -> dict:
-    """Model chunks' and optimizer's sharded state dicts, keyed as Megatron-LM does."""
+def _sharded_state(model: list, optimizer, is_loading: bool, part: parts.Part = "all") -> dict:
+    """Model chunks' and optimizer's sharded state dicts, keyed as Megatron-LM does; of the
+    model, ``part`` (:mod:`ray_ppu.checkpoint.parts`: a LoRA run's checkpoints hold what trains,
+    the optimizer's state is of that alone anyway)."""
     state: dict = {}
     if len(model) == 1:
-        state["model"] = unwrap(model[0]).sharded_state_dict()
+        state["model"] = parts.sharded(unwrap(model[0]), part)
     else:  # virtual pipeline stages: each chunk knows its own layer offsets (vp_stage)
         for i, chunk in enumerate(model):
-            state[f"model{i}"] = unwrap(chunk).sharded_state_dict()
+            state[f"model{i}"] = parts.sharded(unwrap(chunk), part)
     if optimizer is not None:
         _align_param_group_index_map(optimizer)
         _materialize_optimizer_state(optimizer)  # a fresh optimizer: loading, or iteration 0
@@ -173,7 +176,9 @@ class Saver:
         path = _new_dir(self.root, iteration)
         if on_dir is not None:
             on_dir(path)
-        state = _sharded_state(model, optimizer, is_loading=False)
+        # a conversion (no optimizer) writes every weight; a LoRA run what it trains
+        part = parts.of_run(self.cfg) if optimizer is not None else "all"
+        state = _sharded_state(model, optimizer, is_loading=False, part=part)
         state["iteration"] = iteration
         state["consumed_samples"] = consumed_samples(iteration, self.plan.global_batch_size)
         if scheduler is not None:
@@ -238,6 +243,8 @@ class Saver:
             if dist.get_rank() == 0 else None,
             weights_only=weights_only,
             model=dataclasses.asdict(self.cfg.model),
+            lora=dataclasses.asdict(self.cfg.lora) if self.cfg.lora.enabled and not weights_only
+            else None,
             **self.origin,
         )
         error = None

@@ -178,12 +178,14 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
         if model.post_process and plan.padded_vocab_size > cfg.model.vocab_size:
             mask_padded_vocab(model.output_layer, cfg.model.vocab_size)
         if cfg.lora.enabled:  # adapters on the frozen base, before DDP sees what trains
-            from ray_ppu.model.lora import attach
+            from ray_ppu.model.lora import attach, keep_gradients_through_recompute
 
             attach(model, cfg.lora, cfg.model.is_moe,
                    tied=not cfg.model.untie_embeddings_and_output_weights,
                    seed=cfg.training.seed, sequence_parallel=plan.sequence_parallel,
                    dtype=config.params_dtype)
+            if config.recompute_granularity == "full" and model.pre_process:
+                keep_gradients_through_recompute(model)
         if backend == "ppu":
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:

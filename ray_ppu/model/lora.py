@@ -258,6 +258,17 @@ def attach(module: torch.nn.Module, lora: LoraConfig, is_moe: bool, tied: bool, 
     return attached
 
 
+def keep_gradients_through_recompute(module: torch.nn.Module) -> None:
+    """Make the first stage's embedding output require grad. Megatron-Core's full recompute
+    runs each unit of layers in a checkpoint function whose output requires grad only when
+    its input does: behind a frozen embedding the layers' input does not, and no adapter in
+    any recomputed layer would get a gradient (zeros, silently: tests/test_lora.py)."""
+    def hook(_embedding, _args, output):
+        return output if output.requires_grad else output.requires_grad_()
+
+    module.embedding.register_forward_hook(hook)
+
+
 def _add_adapter_output(adapter: LoraAdapter):
     def hook(_linear, args, output):
         out, bias = output

@@ -210,7 +210,9 @@ def flops_per_iteration(cfg: RunConfig, padded_vocab: int) -> tuple[float, float
         return flops, grad_in or target in adapters
 
     per_token, attention = 0, 0.0
-    flows = "embedding" in trains  # whether the residual stream carries a gradient so far
+    # whether the residual stream carries a gradient so far (full recompute: always, see
+    # ray_ppu.model.lora.keep_gradients_through_recompute)
+    flows = "embedding" in trains or cfg.memory.recompute == "full"
     for _ in range(m.num_layers):
         into = flows or "norms" in trains
         flops, qkv_out = linear("linear_qkv", h, q + 2 * k, into)

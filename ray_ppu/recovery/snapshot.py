@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ray_ppu import checkpoint
+from ray_ppu.checkpoint import parts
 from ray_ppu.checkpoint.rng import capture_rng, restore_rng
 from ray_ppu.recovery.snapshot_reshard import (coords, param_keys, reshardable, restore_resharded,
                                       shard_ranges)
@@ -108,6 +109,7 @@ def capture(iteration: int, model: list, optimizer, scheduler, with_cuda: bool) 
     the distributed optimizer) are not copied twice: the weights restore them.
     """
     weights = {p.untyped_storage().data_ptr() for chunk in model for p in chunk.parameters()}
+    part = parts.of_model(model)
     keys = param_keys(model)
     optimizers = []
     for opt in _optimizers(optimizer):
@@ -125,7 +127,8 @@ def capture(iteration: int, model: list, optimizer, scheduler, with_cuda: bool) 
     return {"iteration": iteration,
             "coords": tuple(coords()),
             "reshardable": all(o["ranges"] is not None for o in optimizers),
-            "model": [_copy(unwrap(chunk).state_dict()) for chunk in model],
+            # a LoRA run's: what trains (its base is read again at every start)
+            "model": [_copy(parts.plain(unwrap(chunk), part)) for chunk in model],
             "optimizers": optimizers,
             "scheduler": _copy(scheduler.state_dict()),
             "rng": capture_rng(with_cuda)}
@@ -149,7 +152,7 @@ def restore(point: MemoryPoint, model: list, optimizer, scheduler) -> int:
         raise checkpoint.CheckpointError(f"the {point.path} snapshot holds iteration "
                                          f"{state['iteration']}, not {point.iteration}")
     for chunk, weights in zip(model, state["model"], strict=True):
-        unwrap(chunk).load_state_dict(weights, strict=True)
+        parts.load(unwrap(chunk), weights, parts.of_model(model), point.path)
     for opt, saved in zip(_optimizers(optimizer), state["optimizers"], strict=True):
         mains = [p for group in opt.optimizer.param_groups for p in group["params"]]
         with torch.no_grad():  # the exact fp32 main values, not ones rebuilt from the weights

@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ray_ppu.checkpoint import CheckpointError
+from ray_ppu.checkpoint import CheckpointError, parts
 from ray_ppu.checkpoint.rng import restore_rng
 from ray_ppu.util.wrappers import unwrap
 
@@ -131,11 +131,12 @@ def restore_resharded(iteration: int, sources: dict, fetch: Callable[[int], byte
                                   f"{states[r]['iteration']}, not {iteration}")
     fetched = time.perf_counter()
     of_kind = {False: dense, True: expert}
+    part = parts.of_model(model)  # a LoRA run's snapshots hold what trains
     for i, chunk in enumerate(model):  # every weight from one holder; ranges below
-        own = unwrap(chunk).state_dict()
-        unwrap(chunk).load_state_dict({
+        own = parts.plain(unwrap(chunk), part)
+        parts.load(unwrap(chunk), {
             key: states[of_kind[(i, key.rpartition(".")[0]) in experts][0]]["model"][i][key]
-            for key in own}, strict=True)
+            for key in own}, part, f"the snapshots at iteration {iteration}")
     keys = param_keys(model)
     for n, opt in enumerate(optimizers):
         _restore_optimizer(n, opt, keys, experts, of_kind, states)

@@ -85,12 +85,15 @@ def train_rank(
     with devices.bound(backend, device_id):
         parallel.initialize(plan, cfg.training.seed)
         try:
-            # random weights only where nothing is loaded over them
+            # random weights only where nothing is loaded over them (LoRA: a base always is)
             model, config = build_model(cfg, plan, backend, initialize=resume is None
-                                        and not cfg.checkpoint.pretrained)
+                                        and not cfg.checkpoint.pretrained
+                                        and not cfg.lora.enabled)
             optimizer, scheduler = build_optimizer(cfg, plan, model)
+            if cfg.lora.enabled:
+                _load_base(cfg, plan, model, fresh=resume is None, rank0=duties.rank0)
             _load_state(cfg, plan, resume, start_iteration, model, optimizer, scheduler,
-                        duties.rank0)
+                        duties.rank0, duties.saver.origin.get("base"))
             device = devices.torch_device(backend)
             state = TrainState(plan, model, optimizer, scheduler, device,
                                expert_load=expert_load(model, config, device))
@@ -253,10 +256,37 @@ class _RankDuties:
                 out.close()
 
 
+def _load_base(cfg: RunConfig, plan: Plan, model: list, fresh: bool, rank0: bool) -> None:
+    """A LoRA run's frozen base, at every start (its checkpoints and snapshots hold what
+    trains): the Hugging Face weights of ``checkpoint.pretrained`` or the weights of the
+    ``checkpoint.load`` checkpoint; for a fresh run then the adapters of ``lora.adapter``."""
+    started = time.perf_counter()
+    if cfg.checkpoint.pretrained:
+        from ray_ppu.hf.weights import load_pretrained
+
+        load_pretrained(model, cfg.checkpoint.pretrained, cfg.model, plan.padded_vocab_size)
+    else:
+        _, path = checkpoint.base.base_dir(cfg)
+        base = checkpoint.ResumePoint(str(path), checkpoint.read_meta(path), weights_only=True)
+        checkpoint.load(base, model, None, None, plan, cfg)
+    if fresh and cfg.lora.adapter:
+        from ray_ppu.hf.peft import load_into, read_adapter
+
+        load_into(model, read_adapter(cfg.lora.adapter), cfg.model, cfg.lora)
+    if rank0:
+        log.info("LoRA base %s%s loaded in %.1f s", cfg.checkpoint.pretrained or cfg.checkpoint.load,
+                 f", adapters from {cfg.lora.adapter}" if fresh and cfg.lora.adapter else "",
+                 time.perf_counter() - started)
+
+
 def _load_state(cfg: RunConfig, plan: Plan, resume, start_iteration: int, model: list,
-                optimizer, scheduler, rank0: bool) -> None:
+                optimizer, scheduler, rank0: bool, base: Optional[dict] = None) -> None:
     """Where the group starts: an in-memory snapshot, a disk checkpoint (both checked against
-    the data stream's first iteration), or for a fresh run ``checkpoint.pretrained``."""
+    the data stream's first iteration), or for a fresh run ``checkpoint.pretrained`` (a LoRA
+    run's base is loaded already: its optimizer takes the adapters as they are now)."""
+    if resume is None and cfg.lora.enabled:
+        optimizer.reload_model_params()  # main copies of the adapters as drawn or imported
+        return
     if resume is None:
         if cfg.checkpoint.pretrained:
             from ray_ppu.hf.weights import load_pretrained
@@ -272,7 +302,7 @@ def _load_state(cfg: RunConfig, plan: Plan, resume, start_iteration: int, model:
     if isinstance(resume, MemoryPoint):
         loaded = restore(resume, model, optimizer, scheduler)
     else:
-        loaded = checkpoint.load(resume, model, optimizer, scheduler, plan, cfg)
+        loaded = checkpoint.load(resume, model, optimizer, scheduler, plan, cfg, base)
     if loaded != start_iteration:  # the data would not be the data of that point
         raise checkpoint.CheckpointError(
             f"loaded {resume.path} at iteration {loaded}, but the data stream starts at "
