@@ -14,6 +14,10 @@ a run loading it starts at iteration 0 with a fresh optimizer. The layout does n
 runs that load it (torch_dist reshards). Starting straight from the HF directory
 (``checkpoint.pretrained``) needs no conversion at all; this saves the safetensors reads.
 
+A LoRA run's checkpoint (adapters only) becomes a Hugging Face PEFT adapter directory
+(adapter_config.json + adapter_model.safetensors: peft.PeftModel.from_pretrained(base, DIR)),
+or with --merge its base with the adapters merged in, a plain Hugging Face model.
+
 mcore-to-hf needs one process and no device: it reads one layer at a time and writes ≤ 5 GB
 shards with an index, config.json (the source model's own when the run started from one),
 generation_config.json and the tokenizer files (--tokenizer, else the source HF directory),
@@ -75,7 +79,34 @@ def parse_args(argv=None) -> argparse.Namespace:
                                            "(default: the source Hugging Face directory)")
     to_hf.add_argument("--max-shard-size", type=size_bytes, default="5GB",
                        help="largest safetensors shard (default 5GB, as upstream)")
+    to_hf.add_argument("--merge", action="store_true",
+                       help="a LoRA run's checkpoint: write its base with the adapters merged "
+                            "in (default: a PEFT adapter directory)")
     return parser.parse_args(argv)
+
+
+def _to_hf(args: argparse.Namespace) -> dict:
+    """mcore-to-hf: a full checkpoint's Hugging Face form; a LoRA run's PEFT adapter, or with
+    --merge its base with the adapters merged in."""
+    from ray_ppu.offline.mcore_to_hf import export
+    from ray_ppu.offline.source import open_source
+
+    source = open_source(args.checkpoint)
+    lora = source.kind == "mcore" and source.meta.lora is not None
+    if lora:
+        from ray_ppu.offline.lora_export import export_merged, export_peft
+
+        if not args.merge:
+            return export_peft(source.path, args.out)
+        return export_merged(source.path, args.out, args.dtype, args.tokenizer,
+                             args.max_shard_size)
+    if args.merge:
+        raise ConfigError(f"--merge: {source.path} is no LoRA run's checkpoint (it holds every "
+                          f"weight; drop --merge)")
+    summary = export(args.checkpoint, args.out, args.dtype, args.tokenizer, args.max_shard_size)
+    if not summary["tokenizer"]:
+        print("note: no tokenizer files copied (pass --tokenizer DIR)", file=sys.stderr)
+    return summary
 
 
 def main(argv=None) -> int:
@@ -107,12 +138,7 @@ def main(argv=None) -> int:
                 if dist.get_rank() != 0:
                     return 0
         else:
-            from ray_ppu.offline.mcore_to_hf import export
-
-            summary = export(args.checkpoint, args.out, args.dtype, args.tokenizer,
-                             args.max_shard_size)
-            if not summary["tokenizer"]:
-                print("note: no tokenizer files copied (pass --tokenizer DIR)", file=sys.stderr)
+            summary = _to_hf(args)
     except UserError as err:
         if grouped:  # in the process group: maybe this rank's own problem
             print(f"error: {err}", file=sys.stderr)

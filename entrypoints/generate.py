@@ -6,7 +6,8 @@
     torchrun --nproc-per-node 8 entrypoints/generate.py --checkpoint … --tp 8 --prompt …
 
 --checkpoint is a Hugging Face directory (config.json + safetensors) or a ray_ppu checkpoint
-(or a directory of them: the latest complete one). The tokenizer is --tokenizer, else the
+(or a directory of them: the latest complete one); a LoRA run's checkpoint is applied to the
+base it names. --lora DIR applies a Hugging Face PEFT adapter to the checkpoint. The tokenizer is --tokenizer, else the
 Hugging Face directory (for a ray_ppu checkpoint: the one its run started from); --token-ids
 skips tokenizing. --dump-logits writes the prompt's logits (every position, the real
 vocabulary, fp32) as JSON, to compare with another framework's. Under torchrun the model is
@@ -23,6 +24,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -41,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     prompt.add_argument("--token-ids", help="comma-separated token ids to continue instead")
     parser.add_argument("--tokenizer", help="Hugging Face tokenizer directory (default: the "
                                             "checkpoint's Hugging Face directory)")
+    parser.add_argument("--lora", metavar="DIR",
+                        help="a Hugging Face PEFT LoRA adapter directory to apply to the "
+                             "checkpoint (its base)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--dump-logits", metavar="FILE", help="write the prompt's logits here")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
@@ -66,7 +71,8 @@ def _token_ids(text: str) -> list[int]:
 
 def prepare(args: argparse.Namespace) -> tuple:
     """The checkpoint (format, model config), the tokenizer and prompt ids, and the layout
-    checked against the model: (source, tokenizer or None, prompt, backend, cfg, plan).
+    checked against the model: (source, tokenizer or None, prompt, backend, cfg, plan, the
+    adapters: a PEFT adapter and / or a LoRA checkpoint, for ``load_weights``).
 
     Megatron-Core is not imported yet (8 s a process): under torchrun every rank finds a bad
     --tp in about a second, before any process group exists.
@@ -76,7 +82,7 @@ def prepare(args: argparse.Namespace) -> tuple:
     from ray_ppu.offline.source import inference_config, open_source
 
     token_ids = _token_ids(args.token_ids) if args.token_ids is not None else None
-    source = open_source(args.checkpoint)
+    source, lora, adapter, trained = _with_adapters(open_source(args.checkpoint), args.lora)
     tokenizer_dir = args.tokenizer or source.hf_dir
     tokenizer = None
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
@@ -97,8 +103,33 @@ def prepare(args: argparse.Namespace) -> tuple:
     # (torchrun's WORLD_SIZE, else one process): not on every rank after joining it.
     cfg, plan = inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)), args.tp,
                                  args.pp, precision=precision, device=backend, ep=args.ep,
-                                 etp=1 if args.ep > 1 else None)
-    return source, tokenizer, prompt, backend, cfg, plan
+                                 etp=1 if args.ep > 1 else None, lora=lora)
+    return source, tokenizer, prompt, backend, cfg, plan, {"adapter": adapter, "trained": trained}
+
+
+def _with_adapters(source, lora_dir: Optional[str]) -> tuple:
+    """(the base to load, its lora section or None, a PEFT adapter or None, a LoRA checkpoint
+    to load the adapters from or None): a LoRA run's checkpoint names its base; --lora adds a
+    PEFT adapter to whatever the checkpoint is."""
+    from ray_ppu.config.lora import LoraConfig
+    from ray_ppu.offline.source import open_source
+
+    trained, lora, adapter = None, None, None
+    if source.kind == "mcore" and source.meta.lora is not None:
+        base = (source.meta.base or {}).get("path")
+        if not base or not Path(base).is_dir():
+            raise ConfigError(f"{source.path} holds LoRA adapters; their base {base} is not "
+                              f"there")
+        trained, lora = str(source.path), LoraConfig(**source.meta.lora)
+        source = open_source(base)
+    if lora_dir is not None:
+        if lora is not None:
+            raise ConfigError(f"--lora {lora_dir}: {trained} has adapters already")
+        from ray_ppu.hf.peft import lora_section, read_adapter
+
+        adapter = read_adapter(lora_dir)
+        lora = LoraConfig(**lora_section(adapter, source.model))
+    return source, lora, adapter, trained
 
 
 def main(argv=None) -> int:
@@ -108,7 +139,7 @@ def main(argv=None) -> int:
     """
     args = parse_args(argv)
     try:
-        source, tokenizer, prompt, backend, cfg, plan = prepare(args)
+        source, tokenizer, prompt, backend, cfg, plan, adapters = prepare(args)
     except (UserError, RuntimeError) as err:
         return report_before_group(err)
     stop = (tokenizer.eod,) if tokenizer is not None else ()
@@ -123,7 +154,7 @@ def main(argv=None) -> int:
     with parallel.process_group(backend):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         with inference.built_model(cfg, plan, backend, local_rank) as chunks:
-            inference.load_weights(chunks, source, cfg, plan)
+            inference.load_weights(chunks, source, cfg, plan, **adapters)
             new, logits = inference.greedy(chunks, prompt, source.model.vocab_size,
                                            devices.torch_device(backend),
                                            args.max_new_tokens, stop)

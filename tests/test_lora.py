@@ -51,6 +51,158 @@ def run_name(run) -> str:
             + "".join(f"_recompute_{r}" for r in recompute))
 
 
+# ---------------------------------------------------------------------------------------------
+# The lora section and the plan (no model)
+# ---------------------------------------------------------------------------------------------
+
+SFT_7B = str(Path(__file__).resolve().parents[1] / "entrypoints/configs/qwen2.5-7b-sft.yaml")
+BASE = ["data.data_path=[a]", "checkpoint.load=/base"]
+
+
+def _plan(*overrides, config=SFT_7B):
+    from ray_ppu.config.loader import load
+    from ray_ppu.plan import build_plan
+    from ray_ppu.plan.memory import memory_plan
+
+    cfg = load(config, [*BASE, *overrides] if config == SFT_7B
+               else [*BASE, "training.train_iters=10", "training.eval_iters=0", *overrides])
+    plan = build_plan(cfg)
+    return cfg, plan, memory_plan(cfg, plan)
+
+
+def test_lora_is_off_by_default_and_changes_nothing():
+    from ray_ppu.config.lora import LoraConfig
+
+    cfg, plan, memory = _plan()
+    assert cfg.lora == LoraConfig() and not cfg.lora.enabled
+    assert plan.num_trainable_parameters == plan.num_parameters == 7_615_616_512
+    assert memory.frozen_parameters == 0 and memory.gradients_gib == pytest.approx(
+        plan.num_parameters * 4 / 2**30)
+
+
+def test_qwen25_7b_rank16_trains_half_a_percent_with_no_base_gradients_or_adam():
+    """Qwen2.5-7B (h 3584, 28 heads, 4 KV groups of 128, f 18944, 28 layers), rank 16 on the
+    four linears: a layer's adapters are 16·(3584 + 4608) (qkv, A shared by q/k/v) +
+    16·(3584 + 3584) (proj) + 16·(3584 + 37888) (fc1, A shared by gate/up) + 16·(18944 +
+    3584) (fc2) = 1,269,760; at TP 2 a device holds the column adapters' A whole and half of
+    B, the row adapters' half of A and B whole: 749,568."""
+    cfg, plan, memory = _plan("lora.enabled=true")
+    assert plan.num_trainable_parameters == 28 * 1_269_760 == 35_553_280
+    assert plan.num_trainable_parameters / plan.num_parameters < 0.005
+    assert memory.trainable_parameters == 35_553_280
+    assert memory.frozen_parameters == plan.num_parameters - 35_553_280
+    full = _plan()[2]
+    assert memory.parameters_gib == full.parameters_gib  # the base is there all the same
+    assert memory.gradients_gib == pytest.approx(35_553_280 * 4 / 2**30)
+    assert memory.optimizer_gib == pytest.approx(35_553_280 / 16 * 12 / 2**30)  # 16 DP shards
+    assert (memory.gradients_gib + memory.optimizer_gib
+            < 0.01 * (full.gradients_gib + full.optimizer_gib))
+    _, tp2, _ = _plan("lora.enabled=true", "parallel.tensor_model_parallel_size=2")
+    assert tp2.num_trainable_parameters_per_device == 28 * 749_568
+
+
+def test_lora_flops_count_what_a_frozen_base_computes():
+    """The tiny preset (h 64, 4 heads of 16, 2 groups: q 64, k 32; f 176; 2 layers; V 151936
+    a multiple of 128 already), rank 8 on all four linears, batch 8 × 128: per token a frozen
+    GEMM of n weights costs 4n (forward, input gradient), the first layer's QKV 2n (nothing
+    below it trains), each adapter 2r(in+out)·2 + 2r·out + 2r·in; attention 2q(1+2)·s² per
+    layer as Megatron-LM's; the frozen output layer 4hV."""
+    cfg, plan, _ = _plan("lora.enabled=true", "lora.rank=8", config=None)
+    h, q, k, f, V, r, L = 64, 64, 32, 176, 151936, 8, 2
+    qkv, proj, fc1, fc2 = h * (q + 2 * k), q * h, h * 2 * f, f * h
+
+    def adapter(n_in, n_out, grad_in=True):
+        return 4 * r * (n_in + n_out) + 2 * r * n_out + 2 * r * n_in * grad_in
+
+    first = (2 * qkv + adapter(h, q + 2 * k, False) + 4 * proj + adapter(q, h)
+             + 4 * fc1 + adapter(h, 2 * f) + 4 * fc2 + adapter(f, h))
+    other = (4 * qkv + adapter(h, q + 2 * k) + 4 * proj + adapter(q, h)
+             + 4 * fc1 + adapter(h, 2 * f) + 4 * fc2 + adapter(f, h))
+    per_token = first + (L - 1) * other + 4 * h * V
+    tokens, s = 8 * 128, 128
+    assert plan.flops_per_iteration == tokens * per_token + 8 * s * s * L * 6 * q
+    assert plan.attention_flops_coefficient == L * 6 * q
+    full = _plan(config=None)[1]
+    assert plan.flops_per_iteration < full.flops_per_iteration
+
+
+def test_lora_plan_problems_are_named_together():
+    from ray_ppu.config.loader import load
+    from ray_ppu.errors import ConfigError
+    from ray_ppu.plan import build_plan
+
+    def problems(*overrides, preset="tiny"):
+        cfg = load(None, [f"model.preset={preset}", "lora.enabled=true", *overrides])
+        with pytest.raises(ConfigError) as err:
+            build_plan(cfg)
+        return str(err.value)
+
+    text = problems("lora.target_modules=[linear_qkvv, experts.linear_fc1]")
+    for line in ["lora.target_modules: unknown module 'linear_qkvv' (did you mean 'linear_qkv'?)",
+                 "lora.target_modules 'experts.linear_fc1': the model has no experts"]:
+        assert line in text, (line, text)
+    text = problems("lora.rank_pattern={linear_prj: 4, linear_qkv: 0}",
+                    "lora.alpha_pattern={linear_fc2: -1}", "lora.dropout=1.0",
+                    "lora.trainable=[embeding, router, output_layer]")
+    for line in ["lora.rank_pattern names 'linear_prj', which is not a target (did you mean "
+                 "'linear_proj'?)",
+                 "lora.rank_pattern.linear_qkv=0: must be ≥ 1",
+                 "lora.alpha_pattern.linear_fc2=-1: must be > 0",
+                 "lora.dropout=1: must be at least 0 and below 1",
+                 "lora.trainable: unknown part 'embeding' (did you mean 'embedding'?)",
+                 "lora.trainable 'router': the model has no experts to route to",
+                 "lora.trainable 'output_layer': this model's output layer is its input "
+                 "embedding (tied)",
+                 "lora.enabled needs a base model to adapt: checkpoint.pretrained"]:
+        assert line in text, (line, text)
+    moe = problems("lora.target_modules=[linear_fc1]", "parallel.tensor_model_parallel_size=2",
+                   "parallel.sequence_parallel=true", "parallel.expert_model_parallel_size=1",
+                   "parallel.expert_tensor_parallel_size=1", "cluster.num_workers=4",
+                   preset="tiny-moe")
+    assert "lora.target_modules 'linear_fc1': a MoE model has no dense MLP (each expert's " \
+           "is experts.linear_fc1)" in moe
+    assert "at ETP" not in moe  # ETP 1 is fine
+    etp = problems("parallel.tensor_model_parallel_size=4", "parallel.sequence_parallel=true",
+                   "parallel.expert_tensor_parallel_size=2", "cluster.num_workers=4",
+                   "model.num_query_groups=4", preset="tiny-moe")
+    assert ("LoRA on experts.linear_fc1, experts.linear_fc2 at ETP 2: adapters on experts "
+            "need ETP 1 or ETP = TP (4)") in etp
+
+
+def test_the_summary_shows_what_trains_and_the_frozen_bytes():
+    from ray_ppu.plan.summary import summary_lines
+
+    cfg, plan, memory = _plan("lora.enabled=true", "lora.rank_pattern={linear_qkv: 32}")
+    lines = "\n".join(summary_lines(cfg, plan, memory))
+    assert ("trainable: 39.2 M of 7.62 B parameters (0.52%), 39.2 M on the most loaded device: "
+            "LoRA linear_qkv r32, linear_proj r16, linear_fc1 r16, linear_fc2 r16; the base is "
+            "frozen") in lines
+    assert "parameters 14.2 (frozen 14.1, trainable 0.07) + gradients 0.1" in lines
+
+
+def test_an_adapter_decides_the_section_and_clashes_are_named(peft_dirs):
+    from ray_ppu.config.loader import load
+    from ray_ppu.errors import ConfigError
+
+    cfg = load(None, [f"checkpoint.pretrained={peft_dirs['qwen']}",
+                      f"lora.adapter={peft_dirs['stacked']}"])
+    lora = cfg.lora
+    assert lora.enabled and set(lora.targets(False)) == {"linear_qkv", "linear_proj",
+                                                          "linear_fc1", "linear_fc2"}
+    # q rank 2 + v rank 6 stacked; gate / up have their own A's: 4 + 4
+    assert lora.rank_pattern == {"linear_qkv": 8, "linear_proj": 4, "linear_fc1": 8,
+                                 "linear_fc2": 4}
+    assert lora.scale_of("linear_qkv") == ALPHA / 2  # the first module's (q's) alpha / r
+    with pytest.raises(ConfigError, match=r"lora.rank and lora.adapter=.* both set"):
+        load(None, [f"checkpoint.pretrained={peft_dirs['qwen']}",
+                    f"lora.adapter={peft_dirs['stacked']}", "lora.rank=8"])
+    with pytest.raises(ConfigError, match="no adapter_config.json"):
+        load(None, [f"checkpoint.pretrained={peft_dirs['qwen']}",
+                    f"lora.adapter={peft_dirs['qwen']}"])
+    with pytest.raises(ConfigError, match=r"lora.rank_pattern=.*expected a mapping"):
+        load(None, ["lora.rank_pattern=8"])
+
+
 def _peft_model(kind: str, base, adapter: str):
     """PEFT LoRA on ``base`` with random A and B. ``shared``: q / k / v share one A, gate / up
     another (as ray_ppu exports them); ``stacked``: q rank 2 and v rank 6 (k left alone), o and

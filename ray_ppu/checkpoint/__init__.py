@@ -67,7 +67,7 @@ from ray_ppu.checkpoint.layout import (
     run_name,
     save_root,
 )
-from ray_ppu.checkpoint.loading import load
+from ray_ppu.checkpoint.loading import load, load_trained
 from ray_ppu.checkpoint.resume import (
     STREAM_START_FILE,
     ResumePoint,
@@ -83,6 +83,6 @@ __all__ = [
     "CheckpointError", "CheckpointSaveError", "FORMAT_VERSION", "META_FILE", "Meta",
     "OPTIMIZER_FORMAT", "ResumePoint", "STREAM_START_FILE", "Saver", "check_sources",
     "checkpoint_dirs", "complete_checkpoints", "config_hash", "damage", "latest", "load",
-    "origin", "prune", "read_meta", "record_stream_start", "remove_incomplete", "resume_point",
+    "load_trained", "origin", "prune", "read_meta", "record_stream_start", "remove_incomplete", "resume_point",
     "run_name", "save_root", "base", "parts",
 ]

@@ -112,3 +112,15 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
         raise CheckpointError(f"{resume.path}: the checkpoint holds iteration {iteration}, "
                               f"its {META_FILE} says {meta.iteration}")
     return iteration
+
+
+def load_trained(path: str, model: list) -> None:
+    """What a LoRA run's checkpoint holds (its adapters and trained base parts) into a model
+    whose base is loaded: generation from the checkpoint itself, no optimizer; collective."""
+    from megatron.core import dist_checkpointing
+
+    state = _sharded_state(model, None, is_loading=True, part="trainable")
+    loaded = dist_checkpointing.load(state, path)
+    for i, chunk in enumerate(model):
+        parts.load(unwrap(chunk), loaded["model" if len(model) == 1 else f"model{i}"],
+                   "trainable", path)

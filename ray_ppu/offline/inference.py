@@ -13,7 +13,7 @@ lives in :mod:`ray_ppu.offline.source`, which imports no Megatron-Core (this mod
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,13 +48,10 @@ def built_model(cfg: RunConfig, plan: Plan, backend: str,
 
 
 def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
-                 adapter=None) -> None:
+                 adapter=None, trained: Optional[str] = None) -> None:
     """Fill the model chunks from ``source`` (each rank reads its own part), and their LoRA
-    adapters from a PEFT ``adapter`` (:func:`ray_ppu.hf.peft.read_adapter`) if given."""
-    if adapter is not None:
-        from ray_ppu.hf.peft import load_into
-
-        load_into(chunks, adapter, cfg.model, cfg.lora)
+    adapters from a PEFT ``adapter`` (:func:`ray_ppu.hf.peft.read_adapter`) or from the LoRA
+    checkpoint ``trained`` if given (after the base: a LoRA run may have trained base parts)."""
     if source.kind == "hf":
         from ray_ppu.hf.weights import load_pretrained
 
@@ -62,6 +59,12 @@ def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
     else:
         resume = checkpoint.ResumePoint(str(source.path), source.meta, weights_only=True)
         checkpoint.load(resume, chunks, None, None, plan, cfg)
+    if adapter is not None:
+        from ray_ppu.hf.peft import load_into
+
+        load_into(chunks, adapter, cfg.model, cfg.lora)
+    if trained is not None:
+        checkpoint.load_trained(trained, chunks)
 
 
 @torch.no_grad()

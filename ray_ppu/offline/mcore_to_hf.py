@@ -13,7 +13,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -102,8 +102,10 @@ def _copy_side_files(sources: list[Path], out: Path) -> list[str]:
 
 def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = None,
            tokenizer: Optional[str | Path] = None,
-           max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+           max_shard_bytes: int = MAX_SHARD_BYTES, adjust: Optional[Callable] = None) -> dict:
     """Write the Hugging Face form of a ray_ppu checkpoint into ``out``; returns a summary.
+    ``adjust(key, layer, tensor, expert)``: each Megatron tensor as written (a LoRA merge adds
+    its adapters there: :mod:`ray_ppu.offline.lora_export`).
 
     1. The checkpoint's model config (its meta), stored keys and shapes; every tensor the
        model needs must be there.
@@ -142,6 +144,8 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
 
     def emit(key: str, layer: Optional[int], tensor: torch.Tensor,
              expert: Optional[int] = None) -> None:
+        if adjust is not None:
+            tensor = adjust(key, layer, tensor, expert)
         for name, part in weights.to_hf(model, padded_vocab, key, layer, tensor, expert):
             writer.add(name, part.to(out_dtype))
 

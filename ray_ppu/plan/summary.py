@@ -70,7 +70,9 @@ def _lora(cfg: RunConfig, plan) -> list[str]:
 
 
 def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    return f"{n / 1e6:.1f} M" if n >= 1e5 else f"{n / 1e3:.1f} K"
 
 
 def _memory(m: MemoryPlan) -> str:
