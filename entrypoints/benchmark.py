@@ -10,6 +10,7 @@
     python entrypoints/benchmark.py device [--dir DIR] [--iters 20] [--timeout 120] [--part all|options|moe]
     python entrypoints/benchmark.py moe [--iters 10] [--json FILE] [--corpus PREFIX] [key=value ...]
     python entrypoints/benchmark.py hf-load [--sizes-gb 1 2 4] [--ranks 2] [--dir DIR]
+    python entrypoints/benchmark.py lora [--rank 16] [--iters 3] [--dir DIR] [--json FILE]
 
 ``overhead``: the same tiny training run under Ray Train (a local Ray the run starts, and a job
 joining a Ray already running) and under plain torchrun (in-process reads), alternated:
@@ -42,6 +43,11 @@ all-to-all, unpermutation; forward and backward) and its share of the step, the 
 and whether the two runs' losses agree; ``device`` measures the same on GPUs with a bigger MoE
 and MFU (ray_ppu.tools.bench.moe).
 
+``lora``: the Qwen2.5-0.5B architecture at TP 2, LoRA of rank 16 on all four linears beside
+full fine-tuning of the same base, one torchrun launch each: step time, tokens/s, gradient and
+optimizer bytes per rank, peak host memory, an in-memory snapshot's size and blocking time,
+and the ratios against their targets (ray_ppu.tools.bench.lora).
+
 ``hf-load``: synthetic multi-GB Hugging Face checkpoints loaded with ``checkpoint.pretrained``'s
 code by --ranks CPU processes at TP = ranks and at PP = ranks: per-rank load time and peak host
 memory against the checkpoint size (``entrypoints/hf_benchmark.py``).
@@ -64,14 +70,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.tools.bench import (data_path, device, elastic, metrics_export,  # noqa: E402
-                                 moe, options, overhead, recovery, sft)
+from ray_ppu.tools.bench import (data_path, device, elastic, lora,  # noqa: E402
+                                 metrics_export, moe, options, overhead, recovery, sft)
 from ray_ppu.tools.bench.common import subcommand_parser  # noqa: E402
 
 # In --help's order; each module has HELP, add_arguments(parser) and main(args).
 BENCHES = {"overhead": overhead, "data": data_path, "sft": sft, "elastic": elastic,
            "recovery": recovery, "metrics": metrics_export, "options": options,
-           "device": device, "moe": moe}
+           "device": device, "moe": moe, "lora": lora}
 # Each runs on a Ray of its own, as this script re-run with --child: main(args, program).
 SCENARIOS = ("elastic", "recovery")
 

@@ -101,8 +101,8 @@ def _to_hf(args: argparse.Namespace) -> dict:
         return export_merged(source.path, args.out, args.dtype, args.tokenizer,
                              args.max_shard_size)
     if args.merge:
-        raise ConfigError(f"--merge: {source.path} is no LoRA run's checkpoint (it holds every "
-                          f"weight; drop --merge)")
+        raise ConfigError(f"--merge: {source.path} is no LoRA run's checkpoint (nothing to "
+                          f"merge; drop --merge)")
     summary = export(args.checkpoint, args.out, args.dtype, args.tokenizer, args.max_shard_size)
     if not summary["tokenizer"]:
         print("note: no tokenizer files copied (pass --tokenizer DIR)", file=sys.stderr)

@@ -127,7 +127,7 @@ def _with_adapters(source, lora_dir: Optional[str]) -> tuple:
             raise ConfigError(f"--lora {lora_dir}: {trained} has adapters already")
         from ray_ppu.hf.peft import lora_section, read_adapter
 
-        adapter = read_adapter(lora_dir)
+        adapter = read_adapter(lora_dir, "--lora")
         lora = LoraConfig(**lora_section(adapter, source.model))
     return source, lora, adapter, trained
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_hf import _transformer_engine_device
 from ray_ppu.util.net import free_port
 
 TOKENS = [5, 17, 300, 999, 42, 7, 8, 9, 123, 456, 2, 0, 77]  # 12 inputs: SP splits them
@@ -354,6 +355,45 @@ def test_a_frozen_base_costs_no_gradients_or_optimizer_state_and_never_changes(l
         # DDP aligns each parameter in its buffer: at most 64 elements of padding each
         assert rank["trainable"] <= rank["grad_buffer_elements"] <= rank["trainable"] + 64 * 32
         assert rank["trainable"] == rank["plan_trainable_per_device"]
+
+
+def test_entry_points_name_a_bad_adapter_or_merge_in_one_line(peft_dirs, tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints"))
+    import convert_checkpoint
+    import generate
+
+    assert convert_checkpoint.main(["mcore-to-hf", "--checkpoint", str(peft_dirs["qwen"]),
+                                    "--out", str(tmp_path / "x"), "--merge"]) == 2
+    assert generate.main(["--checkpoint", str(peft_dirs["qwen"]), "--lora",
+                          str(peft_dirs["qwen"]), "--token-ids", "1,2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --merge: {peft_dirs['qwen']} is no LoRA run's checkpoint (nothing "
+                   f"to merge; drop --merge)",
+                   f"error: --lora {peft_dirs['qwen']}: no adapter_config.json (a PEFT adapter "
+                   f"directory holds it and adapter_model.safetensors)"], err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _transformer_engine_device(),
+                    reason="needs a CUDA/PPU device with Transformer Engine")
+@pytest.mark.parametrize("adapter", ["shared", "stacked", "experts"])
+def test_lora_on_transformer_engine_layers_equals_peft(peft_dirs, tmp_path, adapter):
+    """On a device the layers are Transformer Engine's: q/k/v and fc1 are fused layer-norm
+    linears (the adapter normalises their input itself) and a MoE layer's adapted experts are
+    TE's sequential experts; generate.py --lora gives PEFT's fp32 logits."""
+    from conftest import REPO
+
+    dump = tmp_path / "logits.json"
+    base = peft_dirs["moe" if adapter == "experts" else "qwen"]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "entrypoints" / "generate.py"), "--checkpoint", str(base),
+         "--lora", str(peft_dirs[adapter]), "--token-ids", ",".join(map(str, TOKENS[:-1])),
+         "--max-new-tokens", "1", "--device", "ppu", "--precision", "fp32",
+         "--dump-logits", str(dump)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = torch.load(peft_dirs[adapter] / "reference.pt")["logits"]
+    ours = torch.tensor(json.loads(dump.read_text())["logits"])
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-3)  # TE kernels, TF32 off
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,15 +1,13 @@
 """LoRA under Ray Train, end to end: packed SFT on a Hugging Face Qwen2 base, starting from a
 PEFT adapter (q rank 2 and v rank 6, k left alone: stacked into one linear_qkv adapter).
 
-Two real runs, shared by the tests:
-
-* ``tp2``: TP 2 with sequence parallelism, snapshots every 2 iterations, a checkpoint at 4,
-  interrupted twice: a worker SIGKILLed after iteration 5 (the group restores the snapshot of
-  4 from memory and trains 5 again), then, once the restarted group has logged iteration 6,
-  every snapshot keeper and a worker (the next group reads the checkpoint at 4 from disk and
-  trains 5 and 6 again). Every iteration trained again must give the loss it gave the first
-  time, on the same samples: resume and restore are exact.
-* ``tp1``: the same run at TP 1 (DP 2), uninterrupted: TP 2's losses are TP 1's.
+One real run, ``tp2``: TP 2 with sequence parallelism, snapshots every 2 iterations, a
+checkpoint at 4, interrupted twice: a worker SIGKILLed after iteration 5 (the group restores
+the snapshot of 4 from memory and trains 5 again), then, once the restarted group has logged
+iteration 6, every snapshot keeper and a worker (the next group reads the checkpoint at 4 from
+disk and trains 5 and 6 again). Every iteration trained again must give the loss it gave the
+first time, on the same samples: resume and restore are exact. (That TP 2 with SP computes what
+TP 1 does is tests/test_lora.py's: every adapter's gradient at every layout.)
 
 Then the checkpoint goes out as a PEFT adapter and as a merged model, and each loads in
 peft / transformers with the logits ray_ppu's own generation gives from the checkpoint.
@@ -123,13 +121,6 @@ def tp2(ray_cluster, sft_files, base_and_adapter, tmp_path_factory):
     return result
 
 
-@pytest.fixture(scope="module")
-def tp1(ray_cluster, sft_files, base_and_adapter, tmp_path_factory):
-    base, adapter = base_and_adapter
-    out = tmp_path_factory.mktemp("lora_tp1")
-    return _run(_config(sft_files, base, adapter, out, "checkpoint.memory_interval=0"))
-
-
 def _first_and_again(rows: list) -> tuple[dict, dict]:
     """{iteration: loss} as first logged, and as logged again after a restart."""
     first, again = {}, {}
@@ -155,16 +146,6 @@ def test_lora_resumes_exactly_from_memory_and_from_disk(tp2):
     assert read_sample_log(tp2["cfg"].output.dir) == {i: list(range((i - 1) * 4, i * 4))
                                                        for i in range(1, ITERS + 1)}
     assert first[ITERS] < first[1] - 0.2  # and it learned (rank-4 adapters on a random base)
-
-
-@pytest.mark.slow
-def test_lora_at_tp2_with_sp_gives_tp1s_losses(tp1, tp2):
-    _, last1 = _first_and_again(tp1["rows"])
-    first1, _ = _first_and_again(tp1["rows"])
-    first2, again2 = _first_and_again(tp2["rows"])
-    assert not last1  # TP 1 ran uninterrupted
-    for iteration in range(1, ITERS + 1):
-        assert {**first2, **again2}[iteration] == pytest.approx(first1[iteration], abs=2e-4)
 
 
 @pytest.mark.slow
@@ -203,7 +184,7 @@ def test_resuming_on_another_base_is_refused(tp2, tmp_path):
 
 
 def _generate_logits(tmp_path: Path, *args) -> torch.Tensor:
-    dump = tmp_path / f"logits_{len(list(tmp_path.glob('logits_*')))}.json"
+    dump = tmp_path / "logits.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "entrypoints" / "generate.py"), *args, "--token-ids",
          ",".join(map(str, PROMPT)), "--max-new-tokens", "1", "--dump-logits", str(dump)],
@@ -216,8 +197,7 @@ def _generate_logits(tmp_path: Path, *args) -> torch.Tensor:
 def test_peft_and_merged_exports_load_with_the_checkpoints_logits(tp2, base_and_adapter,
                                                                     tmp_path):
     """generate.py on the LoRA checkpoint itself is the reference; the PEFT export loaded by
-    peft onto the base, generate.py --lora with that export, and the merged export loaded by
-    transformers all give its logits."""
+    peft onto the base and the merged export loaded by transformers give its logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -238,8 +218,6 @@ def test_peft_and_merged_exports_load_with_the_checkpoints_logits(tp2, base_and_
     with torch.no_grad():
         theirs = peft_model(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(theirs, ours, rtol=0, atol=2e-5)
-    torch.testing.assert_close(_generate_logits(tmp_path, "--checkpoint", str(base), "--lora",
-                                                str(tmp_path / "peft")), ours, rtol=0, atol=2e-5)
     merged = export_merged(path, tmp_path / "merged")
     assert merged["format"] == "merged" and summary["tensors"] == 2 * 2 * 7
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()

@@ -146,6 +146,28 @@ def test_settings_of_gpu_only_options():
     assert tc["sequence_parallel"] is True
 
 
+def test_every_device_variant_plans_and_lora_keeps_te_grouped_gemm_off_only_for_experts():
+    """benchmark.py device's variants are runs the plan accepts (checked here, where no device
+    runs them); LoRA's starts from the checkpoint the bf16 run saves. On a MoE model, adapters
+    on the experts make TE build sequential experts (their linears get hooks); adapters on
+    attention alone keep the grouped GEMM."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.plan import build_plan
+    from ray_ppu.tools.option_matrix import DEVICE_VARIANTS, device_base
+
+    for name, (extra, _, _) in DEVICE_VARIANTS.items():
+        overrides = [o.replace("{out}", "/bench") for o in extra]
+        build_plan(load(None, [*device_base("/corpus", 20, 2, "h200"), *overrides]))
+    assert "checkpoint.load=/bench/bf16_te_auto/ray_train/bf16_te_auto" in [
+        o.replace("{out}", "/bench") for o in DEVICE_VARIANTS["lora_rank16"][0]]
+    moe = ["model.preset=tiny-moe", "cluster.device=auto", "lora.enabled=true",
+           "checkpoint.load=/base"]
+    cfg, plan = cfg_plan(*moe)
+    assert describe(cfg, plan, te=True)["TransformerConfig"]["moe_grouped_gemm"] is False
+    cfg, plan = cfg_plan(*moe, "lora.target_modules=[linear_qkv, linear_proj]")
+    assert describe(cfg, plan, te=True)["TransformerConfig"]["moe_grouped_gemm"] is True
+
+
 def test_virtual_pipeline_uses_megatrons_unbatched_p2p():
     cfg, plan = cfg_plan("cluster.num_workers=2", "parallel.pipeline_model_parallel_size=2",
                          "parallel.num_layers_per_virtual_pipeline_stage=1")

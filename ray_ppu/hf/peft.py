@@ -103,27 +103,28 @@ class PeftAdapter:
         return alpha / (rank ** 0.5 if self.config.get("use_rslora") else rank)
 
 
-def read_adapter(path: str | Path) -> PeftAdapter:
-    """Read a PEFT adapter directory; a ConfigError names what ray_ppu cannot reproduce."""
+def read_adapter(path: str | Path, what: str = "lora.adapter") -> PeftAdapter:
+    """Read a PEFT adapter directory; a ConfigError (``what``: the setting that named it)
+    names what ray_ppu cannot reproduce."""
     from safetensors.torch import load_file
 
     path = Path(path).expanduser().resolve()
     try:
         config = json.loads((path / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"lora.adapter {path}: no {CONFIG_FILE} (a PEFT adapter directory "
-                          f"holds it and {WEIGHTS_FILE})") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(f"{what} {path}: no {CONFIG_FILE} (a PEFT adapter directory holds it "
+                          f"and {WEIGHTS_FILE})") from None
     except json.JSONDecodeError as err:
-        raise ConfigError(f"lora.adapter {path / CONFIG_FILE}: not JSON ({err})") from None
+        raise ConfigError(f"{what} {path / CONFIG_FILE}: not JSON ({err})") from None
     if not (path / WEIGHTS_FILE).is_file():
-        raise ConfigError(f"lora.adapter {path}: no {WEIGHTS_FILE} (only safetensors adapters "
-                          f"are read: no pickles)")
+        raise ConfigError(f"{what} {path}: no {WEIGHTS_FILE} (only safetensors adapters are "
+                          f"read: no pickles)")
     unsupported = [f"{key}={config.get(key)!r}" for key, fine in (
         ("peft_type", "LORA"), ("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"),
         ("modules_to_save", None), ("lora_bias", False)) if config.get(key, fine) not in (fine, [])]
     if unsupported:
-        raise ConfigError(f"lora.adapter {path}: {', '.join(unsupported)} (ray_ppu reads plain "
-                          f"LoRA adapters without DoRA, biases or saved modules)")
+        raise ConfigError(f"{what} {path}: {', '.join(unsupported)} (ray_ppu reads plain LoRA "
+                          f"adapters without DoRA, biases or saved modules)")
     return PeftAdapter(path, config, load_file(str(path / WEIGHTS_FILE)))
 
 

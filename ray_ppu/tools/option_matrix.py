@@ -57,9 +57,13 @@ CPU_VARIANTS: dict[str, tuple[list[str], Optional[str], float]] = {
                            "training.initial_loss_scale=4096"], "plain", 2e-2),
 }
 
-# GPU / PPU: the options that need CUDA and Transformer Engine, against a bf16 TE run.
+# GPU / PPU: the options that need CUDA and Transformer Engine, against a bf16 TE run. That
+# run saves its final checkpoint (the one save of the matrix) as the base of LoRA's variant,
+# which trains rank-16 adapters on it (another model, so its losses are its own: no reference).
 DEVICE_VARIANTS: dict[str, tuple[list[str], Optional[str], float]] = {
-    "bf16_te_auto": ([], None, 0.0),
+    "bf16_te_auto": (["checkpoint.enabled=true"], None, 0.0),
+    "lora_rank16": (["lora.enabled=true", "lora.rank=16", "lora.alpha=32",
+                     "checkpoint.load={out}/bf16_te_auto/ray_train/bf16_te_auto"], None, 0.0),
     "attention_flash": (["training.attention_backend=flash"], "bf16_te_auto", 2e-2),
     "attention_fused": (["training.attention_backend=fused"], "bf16_te_auto", 2e-2),
     "attention_unfused": (["training.attention_backend=unfused"], "bf16_te_auto", 2e-2),

@@ -58,3 +58,26 @@ def metrics_rows(out: Path) -> list[dict]:
 def write_json(path: str | Path, obj, indent: int | None = 2) -> None:
     """``obj`` as JSON at ``path``; what JSON cannot hold (paths, exceptions) as its str."""
     Path(path).write_text(json.dumps(obj, indent=indent, default=str))
+
+
+def launch_ranks(module: str, args: list[str], nproc: int, timeout: float, what: str):
+    """``python -m torch.distributed.run --nproc-per-node NPROC -m MODULE ARGS`` on a free port,
+    one thread per rank (ranks share the cores); SystemExit naming ``what`` when it runs past
+    ``timeout`` or fails (with the end of its stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    from ray_ppu.util.net import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port("127.0.0.1")), "-m", module, *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{what}: the ranks ran past --timeout {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        raise SystemExit(f"{what}: the ranks failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    return proc

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ray_ppu.tools.bench.common import add_corpus_argument, default_corpus, write_json
+from ray_ppu.tools.bench.common import (add_corpus_argument, default_corpus, launch_ranks,
+                                        write_json)
 
 HELP = "MoE at EP 1 vs EP 2: step time, tokens/s, token-dispatcher time and share, losses"
 WARMUP_ITERS = 2  # the first iterations build caches (and on a GPU, kernels): not timed
@@ -156,27 +154,10 @@ def _launch(runs: dict, base: list[str], corpus: str, iters: int, out: Path, npr
     spec, result = out / "runs.json", out / "figures.json"
     result.unlink(missing_ok=True)  # an earlier launch's figures are not this one's
     spec.write_text(json.dumps(runs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), "-m", "ray_ppu.tools.bench.moe_rank",
-           "--runs", str(spec), "--result", str(result), *common]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # ranks share the cores: no thread oversubscription
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        raise SystemExit(f"moe benchmark: the ranks ran past --timeout {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        raise SystemExit(f"moe benchmark: the ranks failed (exit {proc.returncode}):\n"
-                         f"{proc.stderr[-3000:]}")
+    launch_ranks("ray_ppu.tools.bench.moe_rank",
+                 ["--runs", str(spec), "--result", str(result), *common], nproc, timeout,
+                 "moe benchmark")
     return json.loads(result.read_text())
-
-
-def _free_port() -> int:
-    """A port nobody listens on now (torchrun's default 29500 may be another run's)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def summarize(result: dict, iters: int, peak_tflops: Optional[float] = None) -> dict:
