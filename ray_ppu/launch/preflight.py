@@ -8,7 +8,8 @@ One small Ray task per alive node that advertises ``cluster.resource_name``, pin
   ``<output.dir>/index_cache``) exist or can be created, and take a new file;
 * every data path can be read: idxmap prefixes' ``.bin`` and ``.idx``; SFT files, directories
   and globs match at least one readable data file; ``data.tokenizer`` and ``checkpoint.load``
-  exist and can be listed; ``checkpoint.pretrained``'s config.json and safetensors files read;
+  exist and can be listed; ``checkpoint.pretrained``'s config.json and safetensors files read,
+  and a LoRA run's ``lora.adapter`` files;
 * whether Transformer Engine imports, whether ``torch.cuda`` sees a device, and what
   ``cluster.device`` resolves to — and, when the run asks for options only Transformer Engine
   provides (:func:`ray_ppu.plan.te_options.needs_transformer_engine`), that this node can
@@ -76,6 +77,10 @@ def plan_checks(cfg: RunConfig) -> dict:
         weights = sorted({str(p) for p in Checkpoint(pretrained).files.values()})
         files += [("checkpoint.pretrained", p)
                   for p in [str(Path(pretrained) / "config.json"), *weights]]
+    if cfg.lora.adapter:  # every rank reads the PEFT adapter a LoRA run starts from
+        adapter = Path(_abs(cfg.lora.adapter))
+        files += [("lora.adapter", str(adapter / name))
+                  for name in ("adapter_config.json", "adapter_model.safetensors")]
     return {
         "writable": [("output.dir", _abs(cfg.output.dir)),
                      ("data.index_cache_dir", _abs(cfg.index_cache_dir()))],

@@ -10,7 +10,8 @@ module builds what it builds (parallel state, model, optimizer, the base weights
 loop. After training: the bytes of the DDP gradient buffers and of the optimizer's state (its
 fp32 main parameters and Adam's moments) on this rank, its peak resident memory, and an
 in-memory snapshot taken as the Ray path takes one (:func:`ray_ppu.recovery.snapshot.capture`,
-timed: what the training thread waits) and serialized (its size). Rank 0 writes ``--result``.
+timed: what the training thread waits) and its size (its tensors' bytes, what the keepers
+receive but for pickling's few KB). Rank 0 writes ``--result``.
 """
 
 from __future__ import annotations
@@ -80,13 +81,27 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _tensors(value):
+    """Every tensor in a nested snapshot."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
 def _train(cfg, plan, backend, batches) -> tuple[list[dict], dict]:
     import torch
 
     from ray_ppu.hf.weights import load_pretrained
     from ray_ppu.model.gpt import build_model
     from ray_ppu.model.optim import build_optimizer
-    from ray_ppu.recovery.snapshot import capture, serialize
+    from ray_ppu.recovery.snapshot import capture
     from ray_ppu.train.loop import Hooks, TrainState, train
 
     model, _ = build_model(cfg, plan, backend, initialize=False)
@@ -108,7 +123,10 @@ def _train(cfg, plan, backend, batches) -> tuple[list[dict], dict]:
         started = time.perf_counter()
         snapshot = capture(plan.train_iters, model, optimizer, scheduler, backend == "ppu")
         blocking.append(time.perf_counter() - started)
-        size = len(serialize(snapshot))
+        # what serialize writes, but for pickling's few KB: a full run's serialized copy on
+        # top of the copy itself would not fit two ranks of this machine
+        size = _bytes(_tensors(snapshot))
+        del snapshot
     return rows, {"gradient_bytes": grads, "optimizer_bytes": adam + mains,
                   "adam_bytes": adam, "main_parameter_bytes": mains,
                   "snapshot_bytes": size, "snapshot_blocking_s": statistics.median(blocking),
