@@ -6,6 +6,7 @@ Data flow, one module per arrow::
     config.json            -> config.py   ModelConfig (derived, or checked against the preset)
     *.safetensors (+index) -> files.py    header-only checks, slice reads, sharded writes
     HF tensor <-> Megatron -> weights.py  the name and layout mapping, per-rank loading
+    PEFT adapter <-> LoRA  -> peft.py     q/k/v and gate/up adapters <-> fused ones, both ways
 
 The conversions built on them (a Hugging Face directory into a weights-only torch_dist
 checkpoint, and a torch_dist checkpoint back, one layer at a time) are

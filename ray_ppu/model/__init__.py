@@ -5,7 +5,8 @@ Parallel state and seeds (:mod:`~ray_ppu.model.parallel`), the ``TransformerConf
 ``DistributedDataParallelConfig`` / ``OptimizerConfig`` arguments derived from the config
 (:mod:`~ray_ppu.model.megatron_settings`), the GPT model with its layer spec, TE or local
 (:mod:`~ray_ppu.model.gpt`, MoE pieces in :mod:`~ray_ppu.model.moe_layers`), and the optimizer
-with its schedule (:mod:`~ray_ppu.model.optim`). It knows nothing of Ray, data or checkpoints:
+with its schedule (:mod:`~ray_ppu.model.optim`); LoRA's adapters on the parallel linears and
+the frozen base (:mod:`~ray_ppu.model.lora`). It knows nothing of Ray, data or checkpoints:
 training (:mod:`ray_ppu.train`) and the one-process tools (:mod:`ray_ppu.offline`) call it.
 This face imports nothing, so the config-only modules stay light to import.
 """

@@ -9,6 +9,7 @@ names are Megatron-Core's (``num_microbatches``, ``train_iters``, ``lr_warmup_it
 - :mod:`~ray_ppu.plan.rules`: every cross-field rule, each problem one line;
 - :mod:`~ray_ppu.plan.derived`: the numbers both the rules and the plan need;
 - :mod:`~ray_ppu.plan.arithmetic`: parameters and FLOPs;
+- :mod:`~ray_ppu.plan.lora`: a LoRA run's rules, what trains, and the FLOPs of a frozen base;
 - :mod:`~ray_ppu.plan.build`: :class:`Plan`, :func:`build_plan`, :func:`plan_for_world`;
 - :mod:`~ray_ppu.plan.memory`: what one device holds; :mod:`~ray_ppu.plan.fit`: whether that
   fits, and the nearest layout that does;
