@@ -1,7 +1,8 @@
 """LoRA under Ray Train, end to end: packed SFT on a Hugging Face Qwen2 base, starting from a
 PEFT adapter (q rank 2 and v rank 6, k left alone: stacked into one linear_qkv adapter).
 
-One real run, ``tp2``: TP 2 with sequence parallelism, snapshots every 2 iterations, a
+One real run, ``tp2`` (also the suite's packed SFT run under Ray Train): TP 2 with sequence
+parallelism, snapshots every 2 iterations, a
 checkpoint at 4, interrupted twice: a worker SIGKILLed after iteration 5 (the group restores
 the snapshot of 4 from memory and trains 5 again), then, once the restarted group has logged
 iteration 6, every snapshot keeper and a worker (the next group reads the checkpoint at 4 from
@@ -145,7 +146,21 @@ def test_lora_resumes_exactly_from_memory_and_from_disk(tp2):
     # the restarted groups read exactly the samples of the first (the log keeps the last)
     assert read_sample_log(tp2["cfg"].output.dir) == {i: list(range((i - 1) * 4, i * 4))
                                                        for i in range(1, ITERS + 1)}
-    assert first[ITERS] < first[1] - 0.2  # and it learned (rank-4 adapters on a random base)
+    assert first[ITERS] < first[1] - 0.2  # and it learned (small adapters on a random base)
+
+
+@pytest.mark.slow
+def test_packed_sft_under_ray_learns_and_accounts_for_every_record(tp2):
+    """The packed SFT path under Ray Train (the readers, the SFT rows, the schedule): the
+    decay is train − warmup (SFT), training and validation losses fall, and every record read
+    was used (none dropped: the end-of-run account)."""
+    plan, rows, final = tp2["plan"], tp2["rows"], tp2["final"]
+    assert plan.packed_sequences and plan.lr_decay_iters == ITERS - 2  # warmup 2
+    valid = {r["iteration"]: r["valid_lm_loss"] for r in rows if "valid_lm_loss" in r}
+    assert sorted(valid) == [4, 8] and valid[8] < valid[4], valid
+    assert (final["iteration"], final["restarts"]) == (ITERS, 2)
+    data = final["data"]["train"]
+    assert data["records_read"] == 400 and data["samples_used"] + data["dropped_total"] == 400
 
 
 @pytest.mark.slow

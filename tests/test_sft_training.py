@@ -1,8 +1,9 @@
 """SFT through the model: packed rows give the same per-sample losses as padded ones (the mask
-and position ids really isolate samples), and a packed TP=2 run under Ray Train learns."""
+and position ids really isolate samples). A packed SFT run under Ray Train (TP 2, SP, killed
+and restored from memory and from disk) is tests/test_lora_training.py's, with LoRA: one
+launch for both."""
 
 import json
-import os
 import random
 
 import pytest
@@ -153,49 +154,3 @@ def test_thd_boundaries_are_the_block_mask_of_the_flattened_rows():
     expected = torch.ones(2 * s, 2 * s, dtype=torch.bool)
     expected[:s, :s], expected[s:, s:] = rows[0], rows[1]
     assert torch.equal(flat, expected)
-
-
-@pytest.mark.slow
-def test_packed_sft_at_tp2_learns_and_resumes_exactly_under_ray_train(
-        ray_cluster, sft_files, qwen2_tokenizer_dir, tmp_path):
-    """A packed TP=2 SFT run whose worker is SIGKILLed right after the checkpoint at 6: Ray
-    Train restarts the group, it resumes at 6, and the run trains on exactly the rows an
-    uninterrupted run does (by id, from the sample log), and learns."""
-    from test_checkpoint import kill_a_worker_after, launch_while
-
-    from ray_ppu import checkpoint
-    from ray_ppu.monitor.metrics_log import read_sample_log
-    from ray_ppu.launch.output import absolute_paths, prepare_output
-
-    cfg = absolute_paths(load(None, sft_overrides(
-        sft_files, qwen2_tokenizer_dir, tmp_path / "run", "data.packing=true",
-        "cluster.num_workers=2", "parallel.tensor_model_parallel_size=2",
-        "checkpoint.save_interval=6", "cluster.max_failures=1", "output.sample_log=true",
-        # the disk checkpoint's resume: a snapshot of iteration 6 (if the kill came after it)
-        # would be chosen first (the memory restores are tested in test_checkpoint)
-        "checkpoint.memory_interval=0")))
-    plan = build_plan(cfg)
-    assert plan.lr_decay_iters == 12 - 2  # SFT: decay = train - warmup (the reference)
-    prepare_output(cfg, plan)
-    killed: list = []
-    final, _ = launch_while(cfg, plan, kill_a_worker_after(
-        checkpoint.save_root(cfg) / "iter_0000006" / checkpoint.META_FILE, killed))
-    assert killed, "no worker was killed: the interruption did not happen"
-    assert (final["iteration"], final["restarts"]) == (12, 1)
-    with open(os.path.join(cfg.output.dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    restart = [r for r in rows if r.get("event") == "restart"]
-    assert [(r["iteration"], r["resumed_from"]) for r in restart] == [(6, "iter_0000006")]
-    # Global batch of iteration i = rows (i-1)·4 .. i·4-1 of the run's order (mid-epoch: 12 × 4
-    # samples from fewer packed rows, so the ids wrap into a second epoch), both before the
-    # kill and after the restart (TP rank 0 of each DP rank logs; TP=2 on 2 workers: DP 1).
-    assert read_sample_log(cfg.output.dir) == {i: list(range((i - 1) * 4, i * 4))
-                                               for i in range(1, 13)}
-    train = {r["iteration"]: r["lm_loss"] for r in rows if "lm_loss" in r}  # last row counts
-    valid = [r["valid_lm_loss"] for r in rows if "valid_lm_loss" in r]
-    assert sorted(train) == list(range(1, 13)) and len(valid) >= 2
-    assert train[12] < train[1] - 1.0, train
-    assert valid[-1] < valid[0], valid
-    # The end-of-run record account: every training record read was used (none dropped).
-    data = final["data"]["train"]
-    assert data["records_read"] == 400 and data["samples_used"] + data["dropped_total"] == 400
