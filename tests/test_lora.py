@@ -39,6 +39,8 @@ RUNS = [
     ("qwen", "stacked", 1, 1, None, 1, None, False, False),
     ("qwen", "stacked", 2, 1, None, 1, None, True, False),
     ("qwen3", "qwen3_all", 2, 1, None, 1, None, True, False),  # q / k norms, head_dim 32
+    # the base from a ray_ppu checkpoint (converted at TP 2): checkpoint.load as a LoRA base
+    ("qwen_mcore", "shared", 1, 1, None, 1, None, False, False),
     ("qwen", "shared", 2, 1, None, 1, None, True, False, "none", "bf16"),  # adapters in bf16
     ("moe", "experts", 1, 1, None, 1, None, False, True),
     ("moe", "experts", 1, 1, None, 2, 1, False, True),
@@ -570,8 +572,11 @@ def _run_layouts(jobs: dict) -> None:
     from ray_ppu.offline import inference
 
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
-    out, dirs = Path(jobs["out"]), jobs["dirs"]
+    out, dirs = Path(jobs["out"]), dict(jobs["dirs"])
     with parallel.process_group("cpu"):
+        from ray_ppu.offline.hf_to_mcore import to_mcore
+
+        dirs["qwen_mcore"] = to_mcore(dirs["qwen"], out / "mcore_qwen", tp=2)["checkpoint"]
         for run in jobs["runs"]:
             kind, adapter_name, tp, pp, vs, ep, etp, sp, grads, *options = run
             recompute, precision = (tuple(options) + ("none", "fp32")[len(options):])[:2]
