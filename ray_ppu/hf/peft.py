@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -81,7 +81,6 @@ class PeftAdapter:
     path: Path
     config: dict
     tensors: dict[str, torch.Tensor]
-    _cache: dict = field(default_factory=dict, repr=False)
 
     def module(self, name: str) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
         """(A, B, alpha / r) of the adapted module ``name`` (``model.layers.3.self_attn.

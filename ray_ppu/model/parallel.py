@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -54,6 +55,16 @@ def initialize(plan: Plan, seed: int) -> None:
 def destroy() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def groups(plan: Plan, seed: int) -> Iterator[None]:
+    """The body in Megatron's parallel groups (:func:`initialize`), torn down at exit."""
+    initialize(plan, seed)
+    try:
+        yield
+    finally:
+        destroy()
 
 
 def process_group(backend: str = "cpu") -> contextlib.AbstractContextManager[None]:

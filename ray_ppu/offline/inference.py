@@ -36,15 +36,11 @@ def built_model(cfg: RunConfig, plan: Plan, backend: str,
     the groups are torn down at exit."""
     from ray_ppu.model.gpt import build_model
 
-    with devices.bound(backend, local_rank):
-        parallel.initialize(plan, cfg.training.seed)
-        try:
-            chunks = build_model(cfg, plan, backend, initialize=False, ddp=False)[0]
-            for chunk in chunks:  # no dropout; a MoE layer at TP > 1 trains only with SP
-                chunk.eval()
-            yield chunks
-        finally:
-            parallel.destroy()
+    with devices.bound(backend, local_rank), parallel.groups(plan, cfg.training.seed):
+        chunks = build_model(cfg, plan, backend, initialize=False, ddp=False)[0]
+        for chunk in chunks:  # no dropout; a MoE layer at TP > 1 trains only with SP
+            chunk.eval()
+        yield chunks
 
 
 def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,

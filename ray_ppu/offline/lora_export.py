@@ -192,7 +192,7 @@ class _Adjust:
     def __init__(self, model, lora: LoraConfig, trained: _Trained) -> None:
         self.model, self.lora, self.trained = model, lora, trained
         self._layer: Optional[int] = None
-        self._slabs: dict = {}
+        self._current: tuple[dict, dict] = ({}, {})  # the layer's deltas and trained parts
         self._globals: Optional[dict] = None
 
     def _of(self, layer: Optional[int]) -> tuple[dict, dict]:
@@ -201,11 +201,12 @@ class _Adjust:
             if self._globals is None:
                 self._globals = self.trained.globals()
             return {}, self._globals
-        if layer != self._layer:
-            self._layer, self._slabs = layer, self.trained.layer(layer)
-        slabs = self._slabs
-        return (_deltas(self.model, self.lora, slabs),
-                {k: v for k, v in slabs.items() if not is_adapter_key(k)})
+        if layer != self._layer:  # export asks once per key: read and multiply once per layer
+            slabs = self.trained.layer(layer)
+            self._layer = layer
+            self._current = (_deltas(self.model, self.lora, slabs),
+                             {k: v for k, v in slabs.items() if not is_adapter_key(k)})
+        return self._current
 
     def __call__(self, key: str, layer: Optional[int], tensor: torch.Tensor,
                  expert: Optional[int] = None) -> torch.Tensor:

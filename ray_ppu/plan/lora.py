@@ -14,7 +14,6 @@ Sharding of one adapter (A [r, in], B [out, r]; W [out, in] is split by TP):
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 
 from ray_ppu.config.lora import COLUMN_TARGETS, DENSE_TARGETS, MOE_TARGETS, TRAINABLE_PARTS
@@ -95,10 +94,14 @@ def adapter_shapes(cfg: RunConfig) -> dict[str, tuple[int, int, int]]:
     return {t: (*dims[t], lora.rank_of(t)) for t in lora.targets(m.is_moe)}
 
 
-def _adapter_counts(cfg: RunConfig, tp: int, ep: int, etp: int) -> tuple[int, int]:
-    """One layer's adapter parameters: (all of them, those one device holds)."""
+def _adapter_counts(cfg: RunConfig, tp: int, ep: int, etp: int,
+                    experts_only: bool = False) -> tuple[int, int]:
+    """One layer's adapter parameters (``experts_only``: the experts'): (all of them, those
+    one device holds)."""
     total = device = 0
     for target, (n_in, n_out, r) in adapter_shapes(cfg).items():
+        if experts_only and not target.startswith("experts."):
+            continue
         split = etp if target.startswith("experts.") else tp
         column = target in COLUMN_TARGETS
         whole = r * (n_in + n_out)
@@ -112,13 +115,8 @@ def _adapter_counts(cfg: RunConfig, tp: int, ep: int, etp: int) -> tuple[int, in
 def expert_adapter_parameters_per_device(cfg: RunConfig, pp: int, ep: int, etp: int) -> int:
     """The adapters on experts one device of a stage holds (sharded by the distributed
     optimizer over expert-DP, as the experts are)."""
-    experts = cfg.lora.with_(target_modules=[t for t in cfg.lora.targets(cfg.model.is_moe)
-                                             if t.startswith("experts.")])
-    if not experts.target_modules:
-        return 0
     tp = cfg.parallel.tensor_model_parallel_size
-    only = dataclasses.replace(cfg, lora=experts)
-    return cfg.model.num_layers // pp * _adapter_counts(only, tp, ep, etp)[1]
+    return cfg.model.num_layers // pp * _adapter_counts(cfg, tp, ep, etp, experts_only=True)[1]
 
 
 def _base_counts(cfg: RunConfig, tp: int, padded_vocab: int) -> dict[str, tuple[int, int]]:

@@ -64,12 +64,9 @@ def train_measured(cfg, backend) -> dict:
 
     plan = build_plan(cfg)
     batches = _batches(cfg, plan)
-    with devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))):
-        parallel.initialize(plan, cfg.training.seed)
-        try:
-            rows, rank = _train(cfg, plan, backend, batches)
-        finally:
-            parallel.destroy()
+    with (devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))),
+          parallel.groups(plan, cfg.training.seed)):
+        rows, rank = _train(cfg, plan, backend, batches)
     return {"rows": rows, "rank": rank, "world_size": plan.world_size,
             "tokens_per_iteration": plan.global_batch_size * plan.seq_length,
             "flops_per_iteration": plan.flops_per_iteration,

@@ -76,12 +76,9 @@ def train_timed(cfg, backend) -> dict:
 
     plan = build_plan(cfg)
     batches = _batches(cfg, plan)
-    with devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))):
-        parallel.initialize(plan, cfg.training.seed)
-        try:
-            rows, timed = _train(cfg, plan, backend, batches)
-        finally:
-            parallel.destroy()
+    with (devices.bound(backend, int(os.environ.get("LOCAL_RANK", 0))),
+          parallel.groups(plan, cfg.training.seed)):
+        rows, timed = _train(cfg, plan, backend, batches)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, timed)
     return {"rows": rows, "dispatcher_s": everyone, "layers": timed["layers"],
