@@ -2,7 +2,7 @@
 
 import pytest
 
-from ray_ppu.config.presets import PRESETS
+from ray_ppu.config.presets import PRESETS, VISION_PRESETS
 from ray_ppu.config.loader import load
 from ray_ppu.plan import build_plan
 
@@ -17,6 +17,8 @@ PUBLISHED = {
     "32B": (64, 5120, 27648, 40, 8, 152064, 131072, 1_000_000, 1e-5, False),
     "72B": (80, 8192, 29568, 64, 8, 152064, 131072, 1_000_000, 1e-5, False),
     "llama3.1-8B": (32, 4096, 14336, 32, 8, 128256, 131072, 500_000, 1e-5, False),
+    # meta-llama/Meta-Llama-3-8B: LLaMA-3.1-8B's shape, 8192 positions, no RoPE scaling
+    "llama3-8B": (32, 4096, 14336, 32, 8, 128256, 8192, 500_000, 1e-5, False),
     "llama3.1-70B": (80, 8192, 28672, 64, 8, 128256, 131072, 500_000, 1e-5, False),
 }
 
@@ -50,14 +52,16 @@ PUBLISHED_MOE_PARAMS = {"qwen3-30B-A3B": (30_532_122_624, 3.3),
 # Parameter counts published on the model cards (billions), as a cross-check of the layout.
 PUBLISHED_PARAMS_B = {"0.5B": 0.49, "1.5B": 1.54, "3B": 3.09, "7B": 7.61, "14B": 14.7,
                       "32B": 32.5, "72B": 72.7, "llama3.1-8B": 8.03, "llama3.1-70B": 70.6,
+                      "llama3-8B": 8.03,
                       "qwen3-0.6B": 0.6, "qwen3-1.7B": 1.7, "qwen3-4B": 4.0, "qwen3-8B": 8.2,
                       "qwen3-14B": 14.8, "qwen3-32B": 32.8}
 
 
 def test_every_published_preset_is_covered():
-    assert set(PRESETS) - {"tiny", "tiny-moe"} == (set(PUBLISHED) | set(PUBLISHED_QWEN3)
-                                                   | set(PUBLISHED_QWEN3_MOE))
+    assert set(PRESETS) - {"tiny", "tiny-moe", *VISION_PRESETS} == (
+        set(PUBLISHED) | set(PUBLISHED_QWEN3) | set(PUBLISHED_QWEN3_MOE))
     assert set(PUBLISHED_PARAMS_B) == set(PUBLISHED) | set(PUBLISHED_QWEN3)
+    assert set(VISION_PRESETS) - {"tiny-vl"} == set(PUBLISHED_VISION)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -71,8 +75,40 @@ def test_preset_matches_config_json(name):
     assert m.untie_embeddings_and_output_weights == (not tied)
     is_qwen = not name.startswith("llama")
     assert m.add_qkv_bias == is_qwen  # Qwen2 has QKV bias, LLaMA none
-    assert m.rope_scaling == (not is_qwen) and (is_qwen or m.rope_scaling_factor == 8.0)
+    # LLaMA-3.1 scales RoPE (factor 8), LLaMA-3 and Qwen2.5 do not
+    assert m.rope_scaling == name.startswith("llama3.1") and (is_qwen or m.rope_scaling_factor == 8.0)
     assert m.preset == name
+
+
+# Vision-language presets: (language preset, vision config.json: image_size, patch_size,
+#  num_hidden_layers, hidden_size, intermediate_size, num_attention_heads, layer_norm_eps,
+#  hidden_act; the LLaVA recipe: vision_feature_layer, image tokens per image)
+_SIGLIP_SO400M = (384, 14, 27, 1152, 4304, 16, 1e-6, "gelu_tanh")  # google/siglip-so400m-patch14-384
+PUBLISHED_VISION = {
+    "bunny-llama3-8b-v": ("llama3-8B", *_SIGLIP_SO400M, -2, 729),  # BAAI/Bunny-Llama-3-8B-V
+    "llava-qwen2.5-7b": ("7B", *_SIGLIP_SO400M, -1, 729),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_VISION))
+def test_vision_preset_matches_its_parts(name):
+    language, size, patch, layers, hidden, ffn, heads, eps, act, feature, tokens = \
+        PUBLISHED_VISION[name]
+    cfg = load(None, [f"model.preset={name}"])
+    v = cfg.vision
+    assert cfg.model == PRESETS[language].with_(preset=name)
+    assert (v.encoder, v.image_size, v.patch_size, v.num_layers) == ("siglip", size, patch, layers)
+    assert (v.hidden_size, v.ffn_hidden_size, v.num_attention_heads) == (hidden, ffn, heads)
+    assert (v.norm_epsilon, v.activation, v.feature_layer) == (eps, act, feature)
+    assert v.image_tokens == tokens and v.layers_built == layers + 1 + feature
+    assert v.image_token_id < cfg.model.vocab_size and not v.problems(8)
+    # an explicit vision key overrides the preset's
+    assert load(None, [f"model.preset={name}", "vision.freeze=[]"]).vision.freeze == []
+
+
+def test_text_presets_have_no_vision_part():
+    assert not load(None, ["model.preset=7B"]).vision.enabled
+    assert load(None, ["model.preset=tiny-vl"]).vision.image_tokens == 16
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_QWEN3))

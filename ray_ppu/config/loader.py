@@ -18,8 +18,8 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 import yaml
 
-from ray_ppu.config.presets import PRESETS
-from ray_ppu.config.schema import DataConfig, ModelConfig, RunConfig
+from ray_ppu.config.presets import PRESETS, VISION_PRESETS
+from ray_ppu.config.schema import DataConfig, ModelConfig, RunConfig, VisionConfig
 from ray_ppu.errors import ConfigError  # noqa: F401 (also imported from here)
 
 
@@ -176,11 +176,15 @@ def from_dict(tree: dict) -> RunConfig:
             raise ConfigError(f"unknown section '{name}'{_did_you_mean(name, sections)}")
         if not isinstance(values, dict):
             raise ConfigError(f"section '{name}' must be a mapping, got {values!r}")
-        if name != "model":
+        if name not in ("model", "vision"):
             built[name] = _build_section(hints[name], values, name)
     pretrained = built["checkpoint"].pretrained if "checkpoint" in built else None
     model = (tree or {}).get("model", {})
     built["model"] = _build_model(model, pretrained) if model or pretrained else PRESETS["tiny"]
+    # a vision-language preset brings its vision section; explicit vision.* keys override it
+    vision_base = VISION_PRESETS.get(built["model"].preset, (None, VisionConfig()))[1]
+    built["vision"] = _build_section(VisionConfig, (tree or {}).get("vision") or {}, "vision",
+                                     base=vision_base)
     lora = built.get("lora")
     if lora is not None and lora.adapter:
         built["lora"] = _lora_from_adapter(lora, (tree or {})["lora"], built["model"])

@@ -12,11 +12,16 @@ head width explicitly (head_dim → kv_channels: 128 at every size, not hidden /
 num_moe_experts, num_experts_per_tok → moe_router_topk, moe_intermediate_size →
 moe_ffn_hidden_size, norm_topk_prob → moe_norm_topk_prob, router_aux_loss_coef →
 moe_aux_loss_coeff.
+
+Vision-language presets (:data:`VISION_PRESETS`) pair a language preset with a ``vision``
+section (:class:`~ray_ppu.config.vision.VisionConfig`), from the vision tower's config.json and
+the LLaVA recipe's feature layer; ``model.preset`` names them like any other preset.
 """
 
 from __future__ import annotations
 
 from ray_ppu.config.schema import ModelConfig
+from ray_ppu.config.vision import VisionConfig
 
 
 def _qwen2_5(**arch) -> ModelConfig:
@@ -86,6 +91,10 @@ _PRESETS: dict[str, ModelConfig] = {
                     num_attention_heads=64, num_query_groups=8, vocab_size=152_064,
                     max_position_embeddings=131_072, untie_embeddings_and_output_weights=True)
     .with_(norm_epsilon=1e-5),
+    # meta-llama/Meta-Llama-3-8B config.json (LLaMA-3: no RoPE scaling, 8192 positions)
+    "llama3-8B": _llama3_1(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+                           num_attention_heads=32, num_query_groups=8)
+    .with_(rope_scaling=False, max_position_embeddings=8192),
     # Qwen/Qwen3-0.6B config.json
     "qwen3-0.6B": _qwen3(num_layers=28, hidden_size=1024, ffn_hidden_size=3072,
                          num_attention_heads=16, num_query_groups=8,
@@ -139,4 +148,34 @@ _PRESETS: dict[str, ModelConfig] = {
                             moe_ffn_hidden_size=64, moe_aux_loss_coeff=0.001),
 }
 
+
+
+def _siglip_so400m(**recipe) -> VisionConfig:
+    # google/siglip-so400m-patch14-384 config.json (vision_config): 27 layers of width 1152,
+    # MLP 4304, 16 heads, 14-pixel patches of a 384-pixel image (27² = 729 patches).
+    return VisionConfig(encoder="siglip", image_size=384, patch_size=14, num_layers=27,
+                        hidden_size=1152, ffn_hidden_size=4304, num_attention_heads=16,
+                        norm_epsilon=1e-6, activation="gelu_tanh", feature_select="full",
+                        projector_activation="gelu", **recipe)
+
+
+# name → (language preset, vision section)
+VISION_PRESETS: dict[str, tuple[str, VisionConfig]] = {
+    # BAAI/Bunny-Llama-3-8B-V: SigLIP-so400m (its SigLIP tower drops the last encoder layer
+    # and reads the rest's output: HF vision_feature_layer -2) + an mlp2x_gelu projector +
+    # Meta-Llama-3-8B(-Instruct); images at LLaMA-3's <|reserved_special_token_0|> (128002).
+    "bunny-llama3-8b-v": ("llama3-8B", _siglip_so400m(feature_layer=-2, image_token_id=128_002)),
+    # SigLIP-so400m + Qwen2.5-7B, as LLaVA-OneVision pairs them (last layer, every patch);
+    # images at Qwen2.5's <|image_pad|> (151655).
+    "llava-qwen2.5-7b": ("7B", _siglip_so400m(feature_layer=-1, image_token_id=151_655)),
+    # Not a published checkpoint: a SigLIP-style ViT (32-pixel images, 8-pixel patches: 16
+    # image tokens) on the tiny language preset, so a CPU trains both stages in minutes.
+    "tiny-vl": ("tiny", VisionConfig(encoder="siglip", image_size=32, patch_size=8,
+                                     num_layers=2, hidden_size=32, ffn_hidden_size=64,
+                                     num_attention_heads=2, feature_layer=-1,
+                                     image_token_id=151_655)),
+}
+
 PRESETS: dict[str, ModelConfig] = {name: arch.with_(preset=name) for name, arch in _PRESETS.items()}
+PRESETS.update({name: PRESETS[language].with_(preset=name)
+                for name, (language, _) in VISION_PRESETS.items()})

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from ray_ppu.config.lora import LoraConfig  # noqa: F401 (a section of RunConfig)
+from ray_ppu.config.vision import VisionConfig  # noqa: F401 (a section of RunConfig)
 from ray_ppu.config.model import ModelConfig  # noqa: F401 (a section of RunConfig)
 
 
@@ -343,6 +344,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

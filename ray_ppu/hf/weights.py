@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -180,10 +180,16 @@ def fill_region(ckpt: Checkpoint, model: ModelConfig, padded_vocab: int, key: st
                 expert: Optional[int] = None) -> None:
     """Fill ``out`` with rows ``offset[0] : offset[0] + len(out)`` (and likewise columns) of
     Megatron tensor ``key``, read from only the HF slices they overlap; padding rows are 0."""
+    fill_pieces(ckpt, key, pieces(model, padded_vocab, key, layer, expert), offset, out)
+
+
+def fill_pieces(ckpt: Checkpoint, key: str, hf_pieces: list[Piece], offset: tuple[int, ...],
+                out: torch.Tensor) -> None:
+    """:func:`fill_region` for a tensor laid out as ``hf_pieces``."""
     first, last = offset[0], offset[0] + out.shape[0]
     cols = slice(offset[1], offset[1] + out.shape[1]) if out.dim() > 1 else None
     at = 0
-    for piece in pieces(model, padded_vocab, key, layer, expert):
+    for piece in hf_pieces:
         lo, hi = max(first, at), min(last, at + piece.rows)
         if lo < hi:
             part = out[lo - first:hi - first]
@@ -229,7 +235,8 @@ def _sharded_tensors(module) -> Iterator:
 
 
 @torch.no_grad()
-def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: int) -> dict:
+def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: int,
+              fill: Optional[Callable] = None) -> dict:
     """Fill this rank's model chunks (any TP / PP / VP, any spec, inside DDP or Float16Module)
     from a Hugging Face checkpoint, reading only the regions they hold.
 
@@ -239,12 +246,19 @@ def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: 
        bounded blocks where it must be cast, moved to the device or cut into columns).
     3. Every parameter element must have been written: else an error names the gap.
 
+    ``fill(key, layer, offset, out, expert)`` reads one region in place of
+    :func:`fill_region` from ``ckpt`` (a vision-language model's parts come from several
+    places); it returns False for a tensor it leaves as built (a fresh projector).
     Returns {"bytes_read", "seconds"} for this rank.
     """
     start = time.perf_counter()
+    if fill is None:
+        def fill(key, layer, offset, out, expert):
+            fill_region(ckpt, model, padded_vocab, key, layer, offset, out, expert)
+            return True
     for chunk in chunks:
         module = unwrap(chunk)
-        filled = 0
+        filled = kept = 0
         for sh in _sharded_tensors(module):
             if is_adapter_key(sh.key):  # LoRA's: drawn, or read from a PEFT adapter
                 continue
@@ -255,11 +269,12 @@ def load_into(chunks: list, ckpt: Checkpoint, model: ModelConfig, padded_vocab: 
             if tuple(sh.data.shape) != tuple(sh.local_shape):
                 raise ValueError(f"{sh.key} (layer {layer}): the parameter holds "
                                  f"{list(sh.data.shape)}, its shard says {list(sh.local_shape)}")
-            fill_region(ckpt, model, padded_vocab, sh.key, layer,
-                        tuple(sh.global_offset[prepend:]), sh.data, expert)
-            filled += sh.data.numel()
+            if fill(sh.key, layer, tuple(sh.global_offset[prepend:]), sh.data, expert):
+                filled += sh.data.numel()
+            else:
+                kept += sh.data.numel()
         total = sum(p.numel() for name, p in module.named_parameters()
-                    if not is_adapter_key(name))
+                    if not is_adapter_key(name)) - kept
         if filled != total:
             raise RuntimeError(f"loaded {filled} of the {total} parameter elements of a model "
                                f"chunk: its sharded state dict does not cover every parameter")

@@ -89,17 +89,22 @@ def transformer_config(cfg: RunConfig, plan: Plan, backend: Backend) -> Transfor
     """Megatron-Core TransformerConfig for the Qwen2.5 / Qwen3 / LLaMA architecture of
     ``cfg.model`` with the run's precision, recompute, offload and parallel settings
     (``ray_ppu.model.megatron_settings``, also what ``--dry-run`` prints)."""
-    settings = transformer_settings(cfg, plan, _transformer_engine_layers(cfg, backend))
-    for key in ("params_dtype", "pipeline_dtype"):
-        settings[key] = getattr(torch, settings[key])
-    settings["attention_backend"] = AttnBackend[settings["attention_backend"]]
     return TransformerConfig(
-        **settings,
+        **_settings(cfg, plan, backend),
         activation_func=F.silu,
         # CPU init draws the full weight from the (identically seeded) CPU generator and then
         # slices it, so the model is the same whatever TP is: TP=2 trains like TP=1.
         use_cpu_initialization=backend == "cpu",
     )
+
+
+def _settings(cfg: RunConfig, plan: Plan, backend: Backend) -> dict:
+    """``transformer_settings`` with torch's dtypes and Megatron's attention-backend enum."""
+    settings = transformer_settings(cfg, plan, _transformer_engine_layers(cfg, backend))
+    for key in ("params_dtype", "pipeline_dtype"):
+        settings[key] = getattr(torch, settings[key])
+    settings["attention_backend"] = AttnBackend[settings["attention_backend"]]
+    return settings
 
 
 def packed_format(cfg: RunConfig, plan: Plan, backend: Backend) -> Optional[str]:
@@ -143,7 +148,8 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
         for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
             if hasattr(config, name):
                 setattr(config, name, torch.nn.init.zeros_)
-    if uses_transformer_engine(cfg, transformer_engine_available(backend)):
+    te = uses_transformer_engine(cfg, transformer_engine_available(backend))
+    if te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
@@ -174,6 +180,8 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
             rope_scaling=cfg.model.rope_scaling,
             rope_scaling_factor=cfg.model.rope_scaling_factor,
             vp_stage=stage,
+            # a vision-language model writes the images into the embeddings, then scatters
+            scatter_embedding_sequence_parallel=not cfg.vision.enabled,
         )
         if model.post_process and plan.padded_vocab_size > cfg.model.vocab_size:
             mask_padded_vocab(model.output_layer, cfg.model.vocab_size)
@@ -186,6 +194,11 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
                    dtype=config.params_dtype)
             if config.recompute_granularity == "full" and model.pre_process:
                 keep_gradients_through_recompute(model)
+        if cfg.vision.enabled:  # the ViT and projector join the first stage's chunk
+            from ray_ppu.model import vision_language
+
+            model = vision_language.build(cfg, model, _settings(cfg, plan, backend), te,
+                                          use_cpu_initialization=backend == "cpu")
         if backend == "ppu":
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:

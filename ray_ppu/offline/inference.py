@@ -48,7 +48,12 @@ def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
     """Fill the model chunks from ``source`` (each rank reads its own part), and their LoRA
     adapters from a PEFT ``adapter`` (:func:`ray_ppu.hf.peft.read_adapter`) or from the LoRA
     checkpoint ``trained`` if given (after the base: a LoRA run may have trained base parts)."""
-    if source.kind == "hf":
+    if source.kind == "hf" and cfg.vision.enabled:
+        from ray_ppu.hf import llava_weights
+
+        llava_weights.load_pretrained(chunks, llava_weights.Parts.of(str(source.path)),
+                                      cfg.model, cfg.vision, plan.padded_vocab_size)
+    elif source.kind == "hf":
         from ray_ppu.hf.weights import load_pretrained
 
         load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
@@ -64,9 +69,10 @@ def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
 
 
 @torch.no_grad()
-def prompt_logits(chunks: list, tokens: list[int], vocab_size: int,
-                  device: torch.device) -> torch.Tensor:
-    """Logits [len(tokens), vocab_size] (fp32) of every position of ``tokens``, on every rank.
+def prompt_logits(chunks: list, tokens: list[int], vocab_size: int, device: torch.device,
+                  images: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Logits [len(tokens), vocab_size] (fp32) of every position of ``tokens``, on every rank;
+    ``images``: a vision-language model's pixel values [n, 3, H, W] for the image tokens.
 
     1. Megatron's forward-only schedule over the pipeline (one microbatch; for interleaved
        stages one per pipeline stage, all the same sequence, as the schedule needs).
@@ -81,7 +87,8 @@ def prompt_logits(chunks: list, tokens: list[int], vocab_size: int,
     positions = torch.arange(n, device=device).unsqueeze(0)
 
     def forward_step(_data, model):
-        output = model(ids, positions, None)
+        extra = {} if images is None else {"images": images.to(device)}
+        output = model(ids, positions, None, **extra)
 
         def gather(output_tensor, non_loss_data=True):
             return tensor_parallel.gather_from_tensor_model_parallel_region(output_tensor)
@@ -105,13 +112,15 @@ def prompt_logits(chunks: list, tokens: list[int], vocab_size: int,
 
 
 def greedy(chunks: list, prompt: list[int], vocab_size: int, device: torch.device,
-           max_new_tokens: int, stop: tuple[int, ...] = ()) -> tuple[list[int], torch.Tensor]:
+           max_new_tokens: int, stop: tuple[int, ...] = (),
+           images: Optional[torch.Tensor] = None) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation of ``prompt`` (up to ``max_new_tokens``, ending early at a ``stop``
-    id), and the prompt's own logits [len(prompt), vocab_size]."""
+    id), and the prompt's own logits [len(prompt), vocab_size]; ``images`` as for
+    :func:`prompt_logits`."""
     ids = list(prompt)
     first = None
     for _ in range(max_new_tokens):
-        logits = prompt_logits(chunks, ids, vocab_size, device)
+        logits = prompt_logits(chunks, ids, vocab_size, device, images)
         if first is None:
             first = logits
         token = int(logits[-1].argmax())
@@ -119,5 +128,5 @@ def greedy(chunks: list, prompt: list[int], vocab_size: int, device: torch.devic
         if token in stop:
             break
     if first is None:
-        first = prompt_logits(chunks, ids, vocab_size, device)
+        first = prompt_logits(chunks, ids, vocab_size, device, images)
     return ids[len(prompt):], first

@@ -24,6 +24,7 @@ from ray_ppu.config.schema import (
     ParallelConfig,
     RunConfig,
     TrainingConfig,
+    VisionConfig,
 )
 from ray_ppu.errors import ConfigError
 from ray_ppu.plan import Plan, build_plan
@@ -42,6 +43,8 @@ class Source:
     meta: Optional[Meta] = None
     hf_config: Optional[dict] = None
     """hf: the parsed config.json."""
+    vision: VisionConfig = VisionConfig()
+    """A vision-language model's vision section (encoder None: a text model)."""
 
     @property
     def hf_dir(self) -> Optional[Path]:
@@ -56,7 +59,7 @@ def open_source(path: str | Path) -> Source:
     """What ``path`` holds: a Hugging Face directory (config.json + safetensors, its tensors
     checked against config.json) or a checkpoint (or a directory of them: the latest complete
     one)."""
-    from ray_ppu.hf import config as hf_config
+    from ray_ppu.hf import config as hf_config, llava
     from ray_ppu.hf.files import INDEX_FILE, SINGLE_FILE
 
     path = Path(path).expanduser().resolve()
@@ -65,7 +68,14 @@ def open_source(path: str | Path) -> Source:
         from ray_ppu.hf.weights import check_checkpoint
 
         raw = hf_config.read(path)
-        model = hf_config.model_from_hf(raw, str(path / hf_config.CONFIG_FILE))
+        where = str(path / hf_config.CONFIG_FILE)
+        if llava.is_llava(raw):
+            from ray_ppu.hf.llava_weights import Parts
+
+            model, vision = llava.llava_from_hf(raw, where)
+            Parts.of(str(path)).check(model, vision)
+            return Source(path, "hf", model, hf_config=raw, vision=vision)
+        model = hf_config.model_from_hf(raw, where)
         check_checkpoint(str(path), model)  # headers only: before any model is built
         return Source(path, "hf", model, hf_config=raw)
     from ray_ppu import checkpoint  # the package imports torch: only for this branch
@@ -83,16 +93,19 @@ def open_source(path: str | Path) -> Source:
                           f"ray_ppu): load it in a run (checkpoint.load) and save it again")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in meta.model.items() if k in known})
-    return Source(path, "mcore", model, meta)
+    vision = VisionConfig(**meta.vision) if getattr(meta, "vision", None) else VisionConfig()
+    return Source(path, "mcore", model, meta, vision=vision)
 
 
 def inference_config(model: ModelConfig, world_size: int, tp: int = 1, pp: int = 1,
                      layers_per_virtual_stage: Optional[int] = None,
                      precision: str = "fp32", device: str = "auto", ep: int = 1,
                      etp: Optional[int] = None, lora: Optional[LoraConfig] = None,
-                     sequence_parallel: bool = False) -> tuple[RunConfig, Plan]:
+                     sequence_parallel: bool = False,
+                     vision: Optional[VisionConfig] = None) -> tuple[RunConfig, Plan]:
     """A RunConfig and Plan for forward passes of ``model`` at TP × PP (DP = the rest), a MoE
-    model's experts at EP × ETP (ETP None: TP), with ``lora``'s adapters if given."""
+    model's experts at EP × ETP (ETP None: TP), with ``lora``'s adapters if given, and
+    ``vision``'s encoder and projector for a vision-language model."""
     cfg = RunConfig(
         model=model,
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -108,5 +121,7 @@ def inference_config(model: ModelConfig, world_size: int, tp: int = 1, pp: int =
         cluster=ClusterConfig(num_workers=world_size, device=device),
         data=DataConfig(data_path=["(inference: no data)"]),
         lora=lora or LoraConfig(),
+        # nothing frozen: forward passes, or a conversion that must write every part
+        vision=(vision or VisionConfig()).with_(freeze=[]),
     )
     return cfg, build_plan(cfg, forward_only=True)

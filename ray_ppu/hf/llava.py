@@ -1,0 +1,72 @@
+"""Hugging Face LLaVA configs (``LlavaForConditionalGeneration``) ↔ ray_ppu's model and
+vision sections.
+
+A LLaVA directory's ``config.json`` nests a ``vision_config`` (SigLIP or CLIP) and a
+``text_config`` (Qwen2 / Qwen3 / LLaMA, read by :func:`ray_ppu.hf.config.model_from_hf`) and
+adds the recipe: ``vision_feature_layer``, ``vision_feature_select_strategy``,
+``projector_hidden_act``, ``multimodal_projector_bias``, ``image_token_id``. 
+The tensors' places and layouts are in :mod:`ray_ppu.hf.llava_weights`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ray_ppu.config.schema import ModelConfig
+from ray_ppu.config.vision import ACTIVATIONS, VisionConfig
+from ray_ppu.errors import ConfigError
+from ray_ppu.hf.config import model_from_hf
+
+VISION_TYPES = {"siglip_vision_model": "siglip", "siglip": "siglip",
+                "clip_vision_model": "clip", "clip": "clip"}
+def is_llava(hf: dict) -> bool:
+    """Whether a config.json is a LLaVA model's."""
+    return hf.get("model_type") == "llava"
+
+
+def vision_from_hf(vision: dict, where: str, recipe: Optional[dict] = None) -> VisionConfig:
+    """The vision section of a SigLIP / CLIP ``vision_config`` (or a vision tower's own
+    config.json; a two-tower SigLIP / CLIP config is read by its ``vision_config``) and of the
+    LLaVA ``recipe`` keys around it (a fresh run from separate parts: LLaVA's defaults)."""
+    recipe = recipe or {}
+    if vision.get("model_type") in ("siglip", "clip") and "vision_config" in vision:
+        vision = vision["vision_config"]
+    kind = VISION_TYPES.get(vision.get("model_type", "clip_vision_model"))
+    if kind is None:
+        raise ConfigError(f"{where}: vision model_type={vision.get('model_type')!r} is not "
+                          f"supported (SigLIP or CLIP vision towers)")
+    act = vision.get("hidden_act", "gelu_pytorch_tanh" if kind == "siglip" else "quick_gelu")
+    projector_act = recipe.get("projector_hidden_act", "gelu")
+    wrong = [f"{key}={value!r}" for key, value in (("hidden_act", act),
+                                                   ("projector_hidden_act", projector_act))
+             if value not in ACTIVATIONS]
+    layer = recipe.get("vision_feature_layer", -2)
+    if not isinstance(layer, int):
+        wrong.append(f"vision_feature_layer={layer!r} (one layer, not a list)")
+    if wrong:
+        raise ConfigError(f"{where}: " + "; ".join(wrong) + " is not supported")
+    token = recipe.get("image_token_id", recipe.get("image_token_index"))
+    return VisionConfig(
+        encoder=kind, image_size=vision.get("image_size", 224),
+        patch_size=vision.get("patch_size", 16 if kind == "siglip" else 32),
+        num_layers=vision.get("num_hidden_layers", 12), hidden_size=vision.get("hidden_size", 768),
+        ffn_hidden_size=vision.get("intermediate_size", 3072),
+        num_attention_heads=vision.get("num_attention_heads", 12),
+        norm_epsilon=float(vision.get("layer_norm_eps", 1e-6 if kind == "siglip" else 1e-5)),
+        activation=ACTIVATIONS[act], feature_layer=layer,
+        feature_select=recipe.get("vision_feature_select_strategy",
+                                  "full" if kind == "siglip" else "default"),
+        projector_activation=ACTIVATIONS[projector_act],
+        projector_bias=bool(recipe.get("multimodal_projector_bias", True)),
+        **({"image_token_id": int(token)} if token is not None else {}))
+
+
+def llava_from_hf(hf: dict, where: str) -> tuple[ModelConfig, VisionConfig]:
+    """(language model, vision section) of a LLaVA config.json."""
+    for key in ("text_config", "vision_config"):
+        if not isinstance(hf.get(key), dict):
+            raise ConfigError(f"{where}: a LLaVA config.json without {key}")
+    text = dict(hf["text_config"])
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    return (model_from_hf(text, f"{where} (text_config)"),
+            vision_from_hf(hf["vision_config"], f"{where} (vision_config)", hf))

@@ -1,0 +1,264 @@
+"""A LLaVA-architecture model on Megatron-Core: a ViT, an MLP projector and a GPTModel.
+
+Megatron-Core's own pieces do the work: ``CLIPViTModel`` (its ``siglip`` and ``clip``
+subtypes) encodes the images, ``MultimodalProjector`` maps their patch features to the
+language model's width, and the language model is the same ``GPTModel`` a text run builds
+(:mod:`ray_ppu.model.gpt`), so every text option (TP, SP, PP, VP, recompute, LoRA, packing)
+carries over. Only the glue is ours, and it is why this is not Megatron-Core's
+``LLaVAModel``: that model widens each image token into the patch count *inside* the
+forward pass, so a row's length depends on its images (fixed-shape microbatches, packing and
+pipeline transfers all want one length), and it refuses sequence parallelism without
+Transformer Engine's attention. Here the data path expands every image into
+:attr:`~ray_ppu.config.vision.VisionConfig.image_tokens` placeholder tokens, as Hugging Face's
+LLaVA processor does, so a row is ``seq_length`` tokens like any text row; the forward pass
+writes the projected patch features over the placeholders' embeddings in order (Hugging
+Face's ``masked_scatter``), then scatters the sequence over TP for SP and runs the decoder.
+
+The encoder and projector live on the first pipeline stage (they feed its embeddings); later
+stages hold only their share of the decoder, exactly as for text.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ray_ppu.config.schema import RunConfig
+from ray_ppu.config.vision import VisionConfig
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation: x·sigmoid(1.702·x)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATION_FUNCTIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"),
+                        "quick_gelu": quick_gelu}
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm built the way Megatron-Core builds norms (``config, hidden_size,
+    eps``): the ViT's pre-norm and its layers' norms on the local spec."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+
+
+def local_vit_layer_spec() -> ModuleSpec:
+    """A ViT layer in plain torch / Megatron-Core layers: pre-norm attention over every patch
+    (no mask: Megatron-Core's own local ViT spec asks for a causal one) and a biased GELU MLP.
+    Its norms are checkpointed under Transformer Engine's fused names, as the GPT local spec's
+    are, so both specs read and write the same keys."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.transformer_layer import (TransformerLayer,
+                                                             TransformerLayerSubmodules)
+
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=LayerNorm,
+        self_attention=ModuleSpec(
+            module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
+            submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
+                                               core_attention=DotProductAttention,
+                                               linear_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=LayerNorm,
+        mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map={"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                                     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}))
+
+
+def projector_spec(te: bool):
+    """The projector's two linears (HF LlavaMultiModalProjector: linear → activation →
+    linear), column- then row-parallel over TP, as MultimodalProjector takes them."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    if te:
+        from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear,
+                                                                 TERowParallelLinear)
+        fc1, fc2 = TEColumnParallelLinear, TERowParallelLinear
+    else:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+        fc1, fc2 = ColumnParallelLinear, RowParallelLinear
+    return MLPSubmodules(linear_fc1=fc1, linear_fc2=fc2)
+
+
+# Settings of the language model's TransformerConfig that do not apply to the encoder and the
+# projector: they run unpipelined on the first stage, over whole images (no SP / CP), with
+# no recompute or offload, and have no experts.
+_LANGUAGE_ONLY = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                  "sequence_parallel", "context_parallel_size", "recompute_granularity",
+                  "recompute_method", "recompute_num_layers", "cpu_offloading",
+                  "cpu_offloading_num_layers", "qk_layernorm", "num_moe_experts")
+
+
+def _component_settings(language: dict) -> dict:
+    """The language settings minus what only the language model has (MoE keys included)."""
+    return {k: v for k, v in language.items()
+            if k not in _LANGUAGE_ONLY and not k.startswith(("moe_", "expert_"))}
+
+
+def vision_settings(vision: VisionConfig, language: dict) -> dict:
+    """TransformerConfig keywords of the ViT (``language``: the language model's, whose
+    precision, TP and kernel switches it shares)."""
+    heads = vision.num_attention_heads
+    return dict(_component_settings(language),
+                num_layers=vision.layers_built, hidden_size=vision.hidden_size,
+                ffn_hidden_size=vision.ffn_hidden_size, num_attention_heads=heads,
+                num_query_groups=heads, kv_channels=vision.hidden_size // heads,
+                normalization="LayerNorm", layernorm_epsilon=vision.norm_epsilon,
+                gated_linear_unit=False, add_bias_linear=True, add_qkv_bias=True,
+                hidden_dropout=0.0, attention_dropout=0.0,
+                apply_query_key_layer_scaling=False)
+
+
+def projector_settings(vision: VisionConfig, language: dict) -> dict:
+    """TransformerConfig keywords of the projector: vision width → language width → language
+    width (HF's linear_1 and linear_2)."""
+    hidden = language["hidden_size"]
+    return dict(_component_settings(language), num_layers=1, hidden_size=hidden,
+                ffn_hidden_size=hidden, num_attention_heads=language["num_attention_heads"],
+                gated_linear_unit=False, add_bias_linear=vision.projector_bias)
+
+
+class VisionLanguageModel(MegatronModule):
+    """ViT + projector (first pipeline stage only) + a GPTModel, behind GPTModel's forward
+    contract plus ``images``: float pixel values [n_images, 3, H, W] of the microbatch's images
+    in the order their placeholder tokens appear (row by row)."""
+
+    def __init__(self, language_model, vision: VisionConfig, vision_config: TransformerConfig,
+                 projector_config: TransformerConfig, vit_layer_spec: ModuleSpec,
+                 projector_layer_spec) -> None:
+        super().__init__(config=language_model.config)
+        self.language_model = language_model
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        self.model_type = language_model.model_type  # what Megatron's schedules look up
+        self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+        self.image_token_id = vision.image_token_id
+        self.drop_class_token = vision.class_token and vision.feature_select == "default"
+        self.vision_model = self.vision_projection = None
+        if self.pre_process:
+            clip = vision.encoder == "clip"
+            # the side the patches cover: CLIPViTModel wants a multiple of the patch, and its
+            # unpadded patch convolution ignores the rest of a larger image, as HF's does
+            covered = vision.patches_per_side * vision.patch_size
+            self.vision_model = CLIPViTModel(
+                vision_config, vit_layer_spec, ln_pre_impl=LayerNorm, ln_post_impl=LayerNorm,
+                add_class_token=clip, class_token_len=int(clip), patch_dim=vision.patch_size,
+                img_h=covered, img_w=covered, model_subtype=vision.encoder)
+            # LLaVA reads a hidden state, never the post-norm's output (SigLIP's ln_post)
+            self.vision_model.ln_post = None
+            self.vision_projection = MultimodalProjector(
+                projector_config, projector_layer_spec, "mlp", vision.hidden_size)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Projected patch features [n_images, image_tokens, language hidden]."""
+        weight = self.vision_model.conv1.weight
+        features = self.vision_model(images.to(weight.dtype))  # [n, patches (+class), h_vision]
+        if self.drop_class_token:
+            features = features[:, self.vision_model.class_token_len:]
+        return self.vision_projection(features)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              images: Optional[torch.Tensor]) -> torch.Tensor:
+        """The decoder's input [s, b, h] (this rank's sequence share under SP): token
+        embeddings with each image's features written over its placeholder tokens."""
+        embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=position_ids)
+        placeholders = input_ids == self.image_token_id  # [b, s]
+        if images is not None and images.shape[0]:
+            features = self.image_features(images)
+            n_features, n_places = features.shape[0] * features.shape[1], int(placeholders.sum())
+            if n_features != n_places:
+                raise ValueError(f"the microbatch has {n_places} image tokens (id "
+                                 f"{self.image_token_id}) but its {features.shape[0]} images "
+                                 f"give {n_features} features ({features.shape[1]} each)")
+            # row by row, as the data path lays the images out ([b, s] order, HF's)
+            by_row = embeddings.transpose(0, 1)
+            by_row = by_row.masked_scatter(placeholders[..., None],
+                                           features.reshape(-1, features.shape[-1]).to(by_row.dtype))
+            embeddings = by_row.transpose(0, 1).contiguous()
+        elif bool(placeholders.any()):
+            raise ValueError(f"the microbatch has {int(placeholders.sum())} image tokens (id "
+                             f"{self.image_token_id}) and no images")
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings)
+        return embeddings
+
+    def forward(self, input_ids, position_ids, attention_mask, labels=None, images=None,
+                packed_seq_params=None, **kwargs):
+        decoder_input = self.embed(input_ids, position_ids, images) if self.pre_process else None
+        return self.language_model(input_ids, position_ids, attention_mask,
+                                   decoder_input=decoder_input, labels=labels,
+                                   packed_seq_params=packed_seq_params, **kwargs)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        state = self.language_model.sharded_state_dict(f"{prefix}language_model.",
+                                                        sharded_offsets, metadata)
+        for name in ("vision_model", "vision_projection"):
+            module = getattr(self, name)
+            if module is not None:
+                state.update(module.sharded_state_dict(f"{prefix}{name}.", sharded_offsets,
+                                                       metadata))
+        return state
+
+
+def freeze(model: VisionLanguageModel, cfg: RunConfig) -> None:
+    """``vision.freeze``'s components stop training. The language model under LoRA is left to
+    the adapters' own freezing (its base is frozen, its adapters train)."""
+    parts = {"vision": model.vision_model, "projector": model.vision_projection,
+             "language": None if cfg.lora.enabled else model.language_model}
+    for name in cfg.vision.freeze:
+        if parts.get(name) is not None:
+            for param in parts[name].parameters():
+                param.requires_grad = False
+
+
+def build(cfg: RunConfig, language_model, language_settings: dict, te: bool,
+          use_cpu_initialization: bool) -> VisionLanguageModel:
+    """The vision-language model around ``language_model`` (built with
+    ``scatter_embedding_sequence_parallel=False``: the images go in before the scatter)."""
+    vision = cfg.vision
+
+    def config(settings: dict, activation: str) -> TransformerConfig:
+        settings = dict(settings)
+        for key in ("params_dtype", "pipeline_dtype"):
+            settings[key] = getattr(torch, settings[key]) if isinstance(settings[key], str) \
+                else settings[key]
+        return TransformerConfig(**settings, activation_func=ACTIVATION_FUNCTIONS[activation],
+                                 use_cpu_initialization=use_cpu_initialization)
+
+    if te:
+        from megatron.core.models.vision.vit_layer_specs import (
+            get_vit_layer_with_transformer_engine_spec,
+        )
+        layer_spec = get_vit_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = local_vit_layer_spec()
+    model = VisionLanguageModel(
+        language_model, vision,
+        config(vision_settings(vision, language_settings), vision.activation),
+        config(projector_settings(vision, language_settings), vision.projector_activation),
+        layer_spec, projector_spec(te))
+    freeze(model, cfg)
+    return model
