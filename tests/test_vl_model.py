@@ -1,0 +1,207 @@
+"""Vision-language models against transformers' ``LlavaForConditionalGeneration``.
+
+Two tiny random LLaVA models are built offline from config objects and saved with
+``save_pretrained``: a SigLIP tower (36-pixel images in 8-pixel patches: 4 pixels of each side
+are never seen, as SigLIP-so400m's 384 / 14; the penultimate layer's features, every patch)
+with a Qwen2 language model (QKV bias, tied embeddings), and a CLIP tower (class token and
+pre-norm, the class token dropped by the "default" strategy, quick GELU) with a LLaMA-3
+language model (untied). Norms and biases are drawn at random too, so a mix-up shows. The
+pixels are real images drawn with Pillow, through Hugging Face's own image processors.
+
+One torchrun launch of two CPU ranks (this file's ``__main__``) loads both at TP 1, TP 2 and
+PP 2 and writes the logits of a prompt holding two images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_ppu.config.loader import ConfigError
+from ray_ppu.util.net import free_port
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
+KINDS = ("siglip_qwen2", "clip_llama")
+TEXT = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def _llava(kind: str):
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, Qwen2Config, SiglipVisionConfig)
+
+    torch.manual_seed(0)
+    if kind == "siglip_qwen2":
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                    num_attention_heads=2, image_size=36, patch_size=8)
+        text = Qwen2Config(**TEXT, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1e6)
+        config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=999,
+                             vision_feature_layer=-2, vision_feature_select_strategy="full")
+    else:
+        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                  num_attention_heads=2, image_size=28, patch_size=7,
+                                  projection_dim=16)
+        text = LlamaConfig(**TEXT, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                           rope_theta=500_000.0)
+        config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=998,
+                             vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+            elif "bias" in name or "class_embedding" in name:
+                param.normal_(0.0, 0.1)
+    return model
+
+
+def _images(size: int) -> list:
+    """Two real pictures (a red disc on grey, a blue bar on yellow), not of the model's size."""
+    from PIL import Image, ImageDraw
+
+    disc = Image.new("RGB", (50, 40), (128, 128, 128))
+    ImageDraw.Draw(disc).ellipse((10, 5, 40, 35), fill=(220, 30, 30))
+    bar = Image.new("RGB", (30, 45), (230, 220, 40))
+    ImageDraw.Draw(bar).rectangle((5, 10, 25, 20), fill=(20, 40, 200))
+    return [disc, bar]
+
+
+def _processor(kind: str, size: int):
+    from transformers import CLIPImageProcessor, SiglipImageProcessor
+
+    if kind == "siglip_qwen2":
+        return SiglipImageProcessor(size={"height": size, "width": size})
+    return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+
+@pytest.fixture(scope="module")
+def llava_dirs(tmp_path_factory):
+    """{kind: directory}, each with the prompt, its pixel values and transformers' logits."""
+    root = tmp_path_factory.mktemp("llava")
+    dirs = {}
+    for kind in KINDS:
+        model = _llava(kind)
+        path = root / kind
+        model.save_pretrained(path)
+        size = model.config.vision_config.image_size
+        pixels = _processor(kind, size)(images=_images(size), return_tensors="pt").pixel_values
+        token, n = model.config.image_token_id, 16  # 16 features per image in both models
+        ids = [5, 17, 300] + [token] * n + [42, 7, 8] + [token] * n + [9, 1]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), pixel_values=pixels).logits[0]
+        torch.save({"ids": ids, "pixels": pixels, "logits": logits}, path / "reference.pt")
+        dirs[kind] = path
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def launched(llava_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vl_layouts")
+    jobs = {"out": str(out), "models": {k: str(v) for k, v in llava_dirs.items()},
+            "layouts": LAYOUTS}
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port("127.0.0.1")), __file__, str(out / "jobs.json")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_equal_transformers_at_every_layout(llava_dirs, launched, kind):
+    reference = torch.load(llava_dirs[kind] / "reference.pt")["logits"]
+    for tp, pp in LAYOUTS:
+        ours = torch.load(launched / f"{kind}_tp{tp}_pp{pp}.pt")
+        assert ours.shape == reference.shape
+        assert (ours - reference).abs().max() <= 1e-4, (kind, tp, pp)
+
+
+def test_llava_config_json_gives_the_vision_section(llava_dirs):
+    from ray_ppu.hf import config as hf_config
+    from ray_ppu.hf.llava import llava_from_hf
+
+    siglip = llava_from_hf(hf_config.read(llava_dirs["siglip_qwen2"]), "siglip")
+    clip = llava_from_hf(hf_config.read(llava_dirs["clip_llama"]), "clip")
+    model, vision = siglip
+    assert model.add_qkv_bias and not model.untie_embeddings_and_output_weights
+    assert (vision.encoder, vision.image_size, vision.patches, vision.layers_built) == (
+        "siglip", 36, 16, 2)
+    assert (vision.activation, vision.feature_select, vision.image_token_id) == (
+        "gelu_tanh", "full", 999)
+    model, vision = clip
+    assert model.untie_embeddings_and_output_weights and not model.add_qkv_bias
+    assert (vision.encoder, vision.class_token, vision.image_tokens) == ("clip", True, 16)
+    assert (vision.activation, vision.feature_select, vision.norm_epsilon) == (
+        "quick_gelu", "default", 1e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vision_feature_layer": [-2, -1]}, "vision_feature_layer=[-2, -1]"),
+    ({"projector_hidden_act": "relu"}, "projector_hidden_act='relu'"),
+    ({"vision_config": {"model_type": "pixtral"}}, "model_type='pixtral'"),
+])
+def test_unsupported_llava_config_is_named(llava_dirs, change, message):
+    from ray_ppu.hf import config as hf_config
+    from ray_ppu.hf.llava import llava_from_hf
+
+    raw = {**hf_config.read(llava_dirs["siglip_qwen2"]), **change}
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        llava_from_hf(raw, "config.json")
+
+
+def test_missing_vision_tensor_fails_before_any_model(llava_dirs, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ray_ppu.offline.source import open_source
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json",):
+        (broken / name).write_text((llava_dirs["siglip_qwen2"] / name).read_text())
+    tensors = load_file(str(llava_dirs["siglip_qwen2"] / "model.safetensors"))
+    gone = next(n for n in tensors if n.endswith("encoder.layers.1.mlp.fc1.weight"))
+    del tensors[gone]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ConfigError, match=f"{gone} missing"):
+        open_source(broken)
+
+
+# ---------------------------------------------------------------------------------------------
+# The torchrun side: python -m torch.distributed.run --nproc-per-node 2 tests/test_vl_model.py
+# ---------------------------------------------------------------------------------------------
+
+def _run_layouts(jobs: dict) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    from ray_ppu.model import parallel
+    from ray_ppu.offline import inference
+
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    out = Path(jobs["out"])
+    with parallel.process_group("cpu"):
+        for kind, directory in jobs["models"].items():
+            reference = torch.load(Path(directory) / "reference.pt")
+            source = inference.open_source(directory)
+            for tp, pp in jobs["layouts"]:
+                cfg, plan = inference.inference_config(source.model, dist.get_world_size(), tp,
+                                                       pp, device="cpu", vision=source.vision)
+                with inference.built_model(cfg, plan, "cpu") as chunks:
+                    inference.load_weights(chunks, source, cfg, plan)
+                    logits = inference.prompt_logits(chunks, reference["ids"],
+                                                     source.model.vocab_size,
+                                                     torch.device("cpu"), reference["pixels"])
+                if dist.get_rank() == 0:
+                    torch.save(logits, out / f"{kind}_tp{tp}_pp{pp}.pt")
+
+
+if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
+    _run_layouts(json.loads(Path(sys.argv[1]).read_text()))
