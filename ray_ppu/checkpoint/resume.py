@@ -82,9 +82,9 @@ def check_sources(cfg: RunConfig) -> None:
     :func:`ray_ppu.plan.rules.checkpoint_problems`.)"""
     c = cfg.checkpoint
     if c.pretrained:
-        from ray_ppu.hf.weights import check_checkpoint
+        from ray_ppu.hf import pretrained
 
-        check_checkpoint(c.pretrained, cfg.model)
+        pretrained.check(cfg)
     if cfg.lora.enabled:
         _check_lora_sources(cfg)
     elif c.load:

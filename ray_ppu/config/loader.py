@@ -181,8 +181,14 @@ def from_dict(tree: dict) -> RunConfig:
     pretrained = built["checkpoint"].pretrained if "checkpoint" in built else None
     model = (tree or {}).get("model", {})
     built["model"] = _build_model(model, pretrained) if model or pretrained else PRESETS["tiny"]
-    # a vision-language preset brings its vision section; explicit vision.* keys override it
+    # a vision-language preset brings its vision section, a LLaVA checkpoint or a vision
+    # tower directory its own; explicit vision.* keys override it
     vision_base = VISION_PRESETS.get(built["model"].preset, (None, VisionConfig()))[1]
+    if pretrained and not built["model"].preset:
+        from ray_ppu.hf.llava import directory_vision  # the arrow back up, as for the model
+
+        checkpoint = built["checkpoint"]
+        vision_base = directory_vision(pretrained, checkpoint.pretrained_vision) or vision_base
     built["vision"] = _build_section(VisionConfig, (tree or {}).get("vision") or {}, "vision",
                                      base=vision_base)
     lora = built.get("lora")

@@ -207,6 +207,12 @@ class DataConfig:
     prefetch_batches: int = 4
     """Microbatches each data-reading rank keeps requested ahead of the training loop (in whole
     iterations, at least 2). [≥ 1]"""
+    image_root: Optional[str] = None
+    """sft with a vision model: directory that relative image paths of the records are under;
+    None = the directory of the JSON file naming them (LLaVA's image_folder)."""
+    max_image_pixels: int = 50_000_000
+    """sft with a vision model: an image of more pixels (by its header, before decoding) is
+    skipped and counted as image_too_large. [≥ 1]"""
 
 
 @dataclass(frozen=True)
@@ -306,6 +312,11 @@ class CheckpointConfig:
     field). Iteration, optimizer and data start fresh; once the run has saved, restarts resume
     from its own checkpoints. Exclusive with ``load`` (``entrypoints/convert_checkpoint.py``
     turns it into a torch_dist checkpoint for ``load``)."""
+    pretrained_vision: Optional[str] = None
+    """A vision-language run starting from separate parts (LLaVA / Bunny stage 1): a SigLIP or
+    CLIP checkpoint directory whose vision tower the run starts from, while
+    ``checkpoint.pretrained`` is the language model's directory; the projector starts fresh.
+    Unset with a LLaVA directory in ``checkpoint.pretrained``: every part is read from it."""
     finetune: bool = False
     """Load only the weights from ``load``: fresh optimizer and schedule, iteration 0, data from
     the start (Megatron's --finetune)."""

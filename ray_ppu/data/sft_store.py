@@ -26,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 
+from ray_ppu.data.sft.image_samples import VisionData, vision_data
 from ray_ppu.errors import remote_cause
 
 log = logging.getLogger("ray_ppu")
@@ -48,6 +49,7 @@ class SFTSpec:
     cache_dir: str
     train_samples: int
     valid_samples: int = 0
+    vision: Optional[VisionData] = None  # a vision-language model's images (rows hold pixels)
 
     def paths(self, split: str) -> tuple[str, ...]:
         return {"train": self.train_paths, "valid": self.valid_paths}[split]
@@ -81,6 +83,7 @@ def spec_for(cfg, plan) -> SFTSpec:
         cache_dir=str(Path(cache).expanduser().resolve()),
         train_samples=plan.train_samples,
         valid_samples=plan.valid_samples,
+        vision=vision_data(cfg) if cfg.vision.enabled else None,
     )
 
 
@@ -91,7 +94,8 @@ def _write_split(spec: SFTSpec, split: str) -> dict:
     out = spec.split_dir(split)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     ds, stats_fn = sft_dataset(list(spec.paths(split)), spec.tokenizer_dir, spec.seq_length,
-                               spec.max_padding_length, spec.packing, spec.on_error)
+                               spec.max_padding_length, spec.packing, spec.on_error,
+                               vision=spec.vision)
     tmp.mkdir(parents=True, exist_ok=True)  # after the inputs and tokenizer were checked
     try:
         with _ray_data_errors_unlogged():

@@ -209,8 +209,13 @@ def mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
 
 
 def directory_model(directory: str | Path) -> ModelConfig:
-    """The ModelConfig of a Hugging Face model directory's config.json."""
-    return model_from_hf(read(directory), str(Path(directory).expanduser() / CONFIG_FILE))
+    """The ModelConfig of a Hugging Face model directory's config.json (a LLaVA model's: of
+    its language model, ``text_config``)."""
+    raw, where = read(directory), str(Path(directory).expanduser() / CONFIG_FILE)
+    if raw.get("model_type") == "llava" and isinstance(raw.get("text_config"), dict):
+        text = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"]}
+        return model_from_hf(text, f"{where} (text_config)")
+    return model_from_hf(raw, where)
 
 
 def require_match(model: ModelConfig, theirs: ModelConfig, directory: str | Path) -> None:

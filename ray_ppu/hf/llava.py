@@ -70,3 +70,15 @@ def llava_from_hf(hf: dict, where: str) -> tuple[ModelConfig, VisionConfig]:
     text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
     return (model_from_hf(text, f"{where} (text_config)"),
             vision_from_hf(hf["vision_config"], f"{where} (vision_config)", hf))
+
+
+def directory_vision(pretrained: str, vision_tower: Optional[str] = None) -> Optional[VisionConfig]:
+    """The vision section a run starting from ``checkpoint.pretrained`` gets: a LLaVA
+    directory's, or with ``vision_tower`` (separate parts) that tower's config.json with
+    LLaVA's recipe defaults; None for a text model."""
+    from ray_ppu.hf.config import read
+
+    if vision_tower:
+        return vision_from_hf(read(vision_tower), f"{vision_tower}/config.json")
+    raw = read(pretrained)
+    return llava_from_hf(raw, f"{pretrained}/config.json")[1] if is_llava(raw) else None

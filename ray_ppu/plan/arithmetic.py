@@ -5,7 +5,7 @@ memory plan builds on :func:`stage_parameters`."""
 from __future__ import annotations
 
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.plan import lora
+from ray_ppu.plan import lora, vision
 
 
 def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
@@ -22,14 +22,18 @@ def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
     (frozen base: no weight-gradient GEMMs) counts what it computes instead:
     :func:`ray_ppu.plan.lora.flops_per_iteration`.
     """
+    # a vision-language model: one image per sample is the plan's estimate; the training
+    # rows count the images the batches held (ray_ppu.plan.vision)
+    images = cfg.training.global_batch_size * vision.flops_per_image(cfg)
     if cfg.lora.enabled:
-        return lora.flops_per_iteration(cfg, padded_vocab_size)[0]
+        return lora.flops_per_iteration(cfg, padded_vocab_size)[0] + images
     m, t = cfg.model, cfg.training
     h, L, s, B = m.hidden_size, m.num_layers, t.seq_length, t.global_batch_size
     q = m.effective_kv_channels * m.num_attention_heads
     k = m.effective_kv_channels * m.num_query_groups
     per_layer = 6 * h * (q + 2 * k) + 6 * q * h + 6 * _mlp_multiplies(m, active=True)
-    return B * s * (L * per_layer + 6 * h * padded_vocab_size) + B * s * s * attention_flops_coefficient(cfg)
+    return (B * s * (L * per_layer + 6 * h * padded_vocab_size)
+            + B * s * s * attention_flops_coefficient(cfg) + images)
 
 
 def _mlp_multiplies(m, active: bool) -> int:
@@ -100,10 +104,12 @@ def stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: int, ep: in
     output = embedding if m.untie_embeddings_and_output_weights else 0
     total = m.num_layers * (split + experts + replicated) + embedding + output + h
     stage = (m.num_layers // pp) * (split // tp + experts // (ep * etp) + replicated)
+    image = sum(vision.component_parameters(cfg).values())  # on the first stage, TP-split
+    total += image
     if pp == 1:
-        only = stage + embedding // tp + h + output // tp
+        only = stage + embedding // tp + h + output // tp + image // tp
         return total, only, only
-    first = stage + embedding // tp
+    first = stage + embedding // tp + image // tp
     # The last stage holds the final norm and the output layer; with tied embeddings and PP > 1
     # Megatron keeps a copy of the embedding there too.
     last = stage + h + embedding // tp

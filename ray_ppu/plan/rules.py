@@ -33,7 +33,32 @@ def problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     # Megatron's scheduler asserts warmup < decay: worth saying only of an otherwise sound config
     found += schedule_problems(cfg, check_warmup=not found)
     return (found + run_problems(cfg) + checkpoint_problems(cfg)
-            + lora.problems(cfg, forward_only) + _data_problems(cfg))
+            + lora.problems(cfg, forward_only) + vision_problems(cfg, forward_only)
+            + _data_problems(cfg))
+
+
+def vision_problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
+    """A vision-language model: its own section's rules, a dense language model, no context
+    parallelism (images are written into whole sequences), image data (SFT records)."""
+    v, p = cfg.vision, cfg.parallel
+    if not v.enabled:
+        return []
+    found = v.problems(p.tensor_model_parallel_size)
+    if cfg.model.is_moe:
+        found.append("vision.encoder with a MoE language model: vision-language models take "
+                     "a dense language preset (Qwen2.5, Qwen3, LLaMA-3.x)")
+    if p.context_parallel_size > 1:
+        found.append(f"vision.encoder with CP {p.context_parallel_size}: images are written into "
+                     f"whole sequences; use CP 1")
+    if not 0 <= v.image_token_id < cfg.model.vocab_size:
+        found.append(f"vision.image_token_id={v.image_token_id} is outside the vocabulary "
+                     f"(model.vocab_size={cfg.model.vocab_size})")
+    if not forward_only and cfg.data.dataset != "sft":
+        found.append("vision.encoder trains on image-text records: set data.dataset=sft")
+    if not forward_only and set(v.freeze) >= {"vision", "projector", "language"} \
+            and not cfg.lora.enabled:
+        found.append("vision.freeze names every component and LoRA is off: nothing would train")
+    return found
 
 
 def dims_or_none(cfg: RunConfig) -> Optional[ParallelDims]:

@@ -21,11 +21,27 @@ Microbatch = dict  # tokens, labels, loss_mask, position_ids: [micro_batch_size,
 _INT_KEYS = ("tokens", "labels", "position_ids")
 
 
+# columns that are not int64 on the device: the loss mask, and images as the wire's uint8
+_DTYPES = {"loss_mask": torch.float32, "images": torch.uint8}
+
+
 def _as_tensors(batch: dict, device: torch.device) -> dict:
     # torch.tensor copies (Ray Data hands out read-only arrays from its object store) and
     # widens the int32 ids to the int64 Megatron's embedding and loss expect.
-    return {k: torch.tensor(v, dtype=torch.float32 if k == "loss_mask" else torch.int64)
+    return {k: torch.tensor(v, dtype=_DTYPES.get(k, torch.int64))
             .to(device, non_blocking=True) for k, v in batch.items() if k != "sample_id"}
+
+
+def _images(data: Optional[dict], spec) -> torch.Tensor:
+    """The microbatch's images as float pixel values [n, 3, H, W], row by row (each row's
+    first ``num_images`` slots), broadcast over TP as uint8 and normalised here, on the
+    device (:func:`ray_ppu.data.images.normalize`: the values HF's processor gives)."""
+    from ray_ppu.data.images import normalize
+
+    pixels = tensor_parallel.broadcast_data(["images"], data, torch.uint8)["images"]
+    counts = tensor_parallel.broadcast_data(["num_images"], data, torch.int64)["num_images"]
+    used = torch.arange(pixels.shape[1], device=pixels.device) < counts[:, None]
+    return normalize(pixels[used], spec)
 
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
@@ -61,7 +77,7 @@ def thd_packed_seq_params(cu_seqlens: torch.Tensor, seq_length: int):
 
 
 def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device,
-              packed: Optional[str] = None) -> dict:
+              packed: Optional[str] = None, images=None) -> dict:
     """Next microbatch for this model chunk, broadcast from TP rank 0 to its TP group.
 
     First pipeline stage needs tokens and positions, the last needs labels and the loss mask;
@@ -69,6 +85,8 @@ def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.devi
     their sample boundaries (a few ints broadcast instead of s² mask entries), from which
     every rank builds the block-diagonal mask (``packed="mask"``), or, for Transformer Engine
     (``"thd"``), the THD parameters of the microbatch flattened into one row of b·s tokens.
+    ``images``: a vision-language model's ImageSpec; the first stage then also gets the
+    microbatch's images, normalised on the device.
     """
     pre = get_attr_wrapped_model(model, "pre_process")
     post = get_attr_wrapped_model(model, "post_process")
@@ -80,11 +98,13 @@ def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.devi
     ints = tensor_parallel.broadcast_data(list(_INT_KEYS), data, torch.int64)
     floats = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)
     batch = {**ints, **floats}
+    if images is not None and pre:
+        batch["images"] = _images(data, images)
     if packed:
         cu = tensor_parallel.broadcast_data(["cu_seqlens"], data, torch.int64)["cu_seqlens"]
         b, s = batch["tokens"].shape
         if packed == "thd":
-            batch = {k: v.reshape(1, b * s) for k, v in batch.items()}
+            batch = {k: v if k == "images" else v.reshape(1, b * s) for k, v in batch.items()}
             batch["packed_seq_params"] = thd_packed_seq_params(cu, s)
         else:
             batch["attention_mask"] = packed_attention_mask(cu, s)
@@ -101,8 +121,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-def forward_step(batches, model, device: torch.device, packed: Optional[str] = None):
-    batch = get_batch(batches, model, device, packed)
+def forward_step(batches, model, device: torch.device, packed: Optional[str] = None,
+                 images=None):
+    batch = get_batch(batches, model, device, packed, images)
+    extra = {"images": batch["images"]} if "images" in batch else {}
     output = model(
         batch.get("tokens"),
         batch.get("position_ids"),
@@ -110,6 +132,7 @@ def forward_step(batches, model, device: torch.device, packed: Optional[str] = N
         batch.get("attention_mask"),
         labels=batch.get("labels"),
         packed_seq_params=batch.get("packed_seq_params"),  # THD packed rows (TE)
+        **extra,  # a vision-language model's pixel values
     )
     return output, partial(loss_func, batch.get("loss_mask"))
 

@@ -66,6 +66,8 @@ class TrainState:
     device: torch.device
     # a MoE model's routing statistics (:mod:`ray_ppu.train.moe_metrics`); None when dense
     expert_load: Optional[object] = None
+    # a vision-language model's ImageSpec: how its microbatches' uint8 images are normalised
+    images: Optional[object] = None
 
 
 @dataclass
@@ -107,7 +109,7 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
     _wire_gradient_sync(state.model, state.optimizer)
     if plan.packed_sequences and packed is None:
         packed = "mask"
-    schedule = make_schedule(plan, state.model, state.device, packed)
+    schedule = make_schedule(plan, state.model, state.device, packed, state.images)
     timed = TimedIterator(batches) if batches is not None else None
     window = _Window(start=time.perf_counter())
     run_start = window.start

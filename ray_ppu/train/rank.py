@@ -96,7 +96,8 @@ def train_rank(
                         duties.rank0, duties.saver.origin.get("base"))
             device = devices.torch_device(backend)
             state = TrainState(plan, model, optimizer, scheduler, device,
-                               expert_load=expert_load(model, config, device))
+                               expert_load=expert_load(model, config, device),
+                               images=_image_spec(cfg))
             duties.model_ready(state)
             final = train(state, batches, duties.hooks(), start_iteration=start_iteration,
                           valid_batches=valid_batches, log_interval=cfg.training.log_interval,
@@ -262,9 +263,9 @@ def _load_base(cfg: RunConfig, plan: Plan, model: list, fresh: bool, rank0: bool
     ``checkpoint.load`` checkpoint; for a fresh run then the adapters of ``lora.adapter``."""
     started = time.perf_counter()
     if cfg.checkpoint.pretrained:
-        from ray_ppu.hf.weights import load_pretrained
+        from ray_ppu.hf import pretrained
 
-        load_pretrained(model, cfg.checkpoint.pretrained, cfg.model, plan.padded_vocab_size)
+        pretrained.load(model, cfg, plan.padded_vocab_size)
     else:
         _, path = checkpoint.base.base_dir(cfg)
         base = checkpoint.ResumePoint(str(path), checkpoint.read_meta(path), weights_only=True)
@@ -289,10 +290,9 @@ def _load_state(cfg: RunConfig, plan: Plan, resume, start_iteration: int, model:
         return
     if resume is None:
         if cfg.checkpoint.pretrained:
-            from ray_ppu.hf.weights import load_pretrained
+            from ray_ppu.hf import pretrained
 
-            took = load_pretrained(model, cfg.checkpoint.pretrained, cfg.model,
-                                   plan.padded_vocab_size)
+            took = pretrained.load(model, cfg, plan.padded_vocab_size)
             optimizer.reload_model_params()  # its fp32 main copies still hold the init
             if rank0:
                 log.info("loaded Hugging Face weights from %s in %.1f s (rank 0 read %.2f GB)",
@@ -324,3 +324,12 @@ def _log_startup(writer: MetricsWriter, iteration: int, startup: dict, timeline:
               "first step": timeline["first_step_done"] - timeline["model_ready"]}
     writer.write({"event": "start", "iteration": iteration,
                   "resumed_from": Path(resume.path).name if resume else None, "phases_s": phases})
+
+
+def _image_spec(cfg: RunConfig):
+    """A vision-language run's ImageSpec (how the rank normalises its images); None for text."""
+    if not cfg.vision.enabled:
+        return None
+    from ray_ppu.data.sft.image_samples import vision_data
+
+    return vision_data(cfg).spec

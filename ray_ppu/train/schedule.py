@@ -57,10 +57,12 @@ def _schedule(forward_backward, step, model: list, plan: Plan, flattened: bool, 
     )
 
 
-def make_schedule(plan: Plan, model: list, device: torch.device, packed: Optional[str] = None):
+def make_schedule(plan: Plan, model: list, device: torch.device, packed: Optional[str] = None,
+                  images=None):
     """``schedule(batches, forward_only)``: one global batch through Megatron's forward-backward
-    function (picked for the parallel state), with :func:`forward_step`; returns loss reports."""
-    step = partial(forward_step, device=device, packed=packed)
+    function (picked for the parallel state), with :func:`forward_step`; returns loss reports.
+    ``images``: a vision-language model's ImageSpec (its microbatches carry images)."""
+    step = partial(forward_step, device=device, packed=packed, images=images)
     return partial(_schedule, get_forward_backward_func(), step, model, plan, packed == "thd")
 
 

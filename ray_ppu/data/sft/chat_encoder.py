@@ -18,9 +18,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
-from ray_ppu.data.sft.records import RecordProblem
+from ray_ppu.data.sft.records import IMAGE_TAG, RecordProblem
 from ray_ppu.data.tokenizer import HFTokenizer, load_tokenizer
 
 # Placeholders for message contents while rendering: Unicode private-use characters, which no
@@ -72,6 +72,22 @@ class _Rendering:
     found: list[tuple[int, int, int]]  # (start, end, message index) of each placeholder in `full`
     # (k, render(messages[:k], add_generation_prompt=True), render(messages[:k+1])) per assistant turn k
     prefixes: list[tuple[int, str, str]]
+
+
+def _content_events(content: str, turn: int, index: int,
+                    image_token: Optional[tuple[int, int]]) -> list[tuple]:
+    """A message content as events: its text, and with ``image_token`` (id, count) each
+    ``<image>`` tag as ``count`` image tokens (atomic, like the template's added tokens)."""
+    if image_token is None or IMAGE_TAG not in content:
+        return [("text", content, turn, index)]
+    token, count = image_token
+    events: list[tuple] = []
+    for k, piece in enumerate(content.split(IMAGE_TAG)):
+        if k:
+            events.extend([("special", token, turn, -1)] * count)
+        if piece:
+            events.append(("text", piece, turn, index))
+    return events
 
 
 class ChatEncoder:
@@ -153,13 +169,16 @@ class ChatEncoder:
             raise result
         return result
 
-    def encode_many(self, conversations: Sequence[list[dict]]) -> list:
+    def encode_many(self, conversations: Sequence[list[dict]],
+                    image_token: Optional[tuple[int, int]] = None) -> list:
         """:meth:`encode` for many conversations with one tokenizer call; a problem is returned
-        (a :class:`RecordProblem` in that conversation's place), not raised."""
+        (a :class:`RecordProblem` in that conversation's place), not raised. ``image_token``
+        (id, count): each ``<image>`` tag in a content becomes ``count`` copies of that id
+        (a vision-language model's image positions); None: tags are ordinary text."""
         layouts, texts = [], []
         for messages in conversations:
             try:
-                layouts.append(self._layout(messages, texts))
+                layouts.append(self._layout(messages, texts, image_token))
             except RecordProblem as problem:
                 layouts.append(problem)
         # Most reference units repeat a unit of the turn-by-turn encoding (and templates repeat
@@ -172,13 +191,14 @@ class ChatEncoder:
 
     # --- the layout of one conversation, step by step ---------------------------------------
 
-    def _layout(self, messages: list[dict], texts: list[str]) -> dict:
+    def _layout(self, messages: list[dict], texts: list[str],
+                image_token: Optional[tuple[int, int]] = None) -> dict:
         """The units to encode turn by turn (``"segments"``: text or an added-token id, tagged
         with its assistant turn) and the units of the whole rendering (``"reference"``); their
         texts go to ``texts`` for one batch encode. Raises :class:`RecordProblem`."""
         rendering = self._render_marked(messages)
         spans = self._assistant_spans(rendering)
-        events = self._events(rendering, spans)
+        events = self._events(rendering, spans, image_token)
         return {"segments": self._units(events, texts, split_at_turns=True),
                 "reference": self._units(events, texts, split_at_turns=False)}
 
@@ -232,7 +252,8 @@ class ChatEncoder:
             spans.append((start, end, k))
         return spans
 
-    def _events(self, rendering: _Rendering, spans: list[tuple[int, int, int]]) -> list[tuple]:
+    def _events(self, rendering: _Rendering, spans: list[tuple[int, int, int]],
+                image_token: Optional[tuple[int, int]] = None) -> list[tuple]:
         """Step 3: the rendering as events, in order: ``("text", str, turn, content_of)``,
         ``("special", id, turn, -1)`` and ``("cut", None, turn, -1)`` where an assistant turn
         starts or ends (turn -1: outside every assistant turn; content_of -1: template text)."""
@@ -247,7 +268,8 @@ class ChatEncoder:
             if a in turn_cuts:
                 events.append(("cut", None, turn, -1))
             if a in content_at and full[a:b] == rendering.marks[content_at[a]]:
-                events.append(("text", rendering.contents[content_at[a]], turn, content_at[a]))
+                events.extend(_content_events(rendering.contents[content_at[a]], turn,
+                                              content_at[a], image_token))
                 continue
             piece = full[a:b]
             if _MARK_OPEN in piece or _MARK_CLOSE in piece:  # a turn boundary inside a content

@@ -1,7 +1,8 @@
 """SFT input files → entries (a conversation, or the reason a record is unusable) → windows.
 
 Files are found and their JSON records read by :mod:`ray_ppu.data.readers`, shared with
-pretraining preprocessing. Here a record becomes an *entry*: ``("ok", messages, where)`` or
+pretraining preprocessing. Here a record becomes an *entry*: ``("ok", messages, where, images,
+file)`` (the image paths as the record gives them, and the file they are relative to) or
 ``("problem", reason, message)``, so that a bad record is counted, never lost, and the place
 ``file: line N`` (``element i``, ``row i``) is kept for the message. ``on_error="fail"`` raises
 :class:`PreprocessError` at the first problem instead. Entries are then cut into packing
@@ -19,7 +20,7 @@ from typing import Iterable, Iterator, Sequence
 import pyarrow as pa
 
 from ray_ppu.data.readers import NOT_AN_ARRAY, WHOLE_FILE, input_format, json_records, resolve_inputs
-from ray_ppu.data.sft.records import RecordProblem, conversation_from_record
+from ray_ppu.data.sft.records import RecordProblem, conversation_from_record, record_images
 from ray_ppu.errors import PreprocessError
 
 
@@ -31,14 +32,16 @@ def problem_or_raise(reason: str, message: str, on_error: str) -> tuple:
 
 
 def file_entries(f, path: str, on_error: str) -> Iterator[tuple]:
-    """Every record of one opened file as ``("ok", messages, where)`` or ``("problem", reason, message)``."""
+    """Every record of one opened file as ``("ok", messages, where, image paths, path)`` or
+    ``("problem", reason, message)``."""
     kind = input_format(path)
     for where, record in (_parquet_records(f) if kind == "parquet" else _json_records(f)):
         if isinstance(record, RecordProblem):
             yield problem_or_raise(record.reason, f"{path}: {where}: {record.message}", on_error)
             continue
         try:
-            yield ("ok", conversation_from_record(record), f"{path}: {where}")
+            images = record_images(record) if isinstance(record, dict) else []
+            yield ("ok", conversation_from_record(record), f"{path}: {where}", images, path)
         except RecordProblem as problem:
             yield problem_or_raise(problem.reason, f"{path}: {where}: {problem.message}", on_error)
 

@@ -23,6 +23,7 @@ from ray.data.datasource import FileBasedDatasource
 
 from ray_ppu.data.readers import ParquetRandomAccess
 from ray_ppu.data.sft.chat_encoder import ChatEncoder
+from ray_ppu.data.sft.image_samples import VisionData
 from ray_ppu.data.sft.files import file_entries, resolve_sft_inputs, windows
 from ray_ppu.data.sft.rows import DEFAULT_MAX_SAMPLES_PER_ROW, DEFAULT_WINDOW, SFTOptions, concat_rows
 from ray_ppu.data.sft.windows import as_encoder, merge_stats, process_window
@@ -92,13 +93,15 @@ class _ProcessWindows:
 def sft_dataset(paths: Sequence[str | Path], tokenizer_dir: ChatEncoder | str | Path, seq_length: int,
                 max_padding_length: int | None = None, packing: bool = False, on_error: str = "skip",
                 *, window: int = DEFAULT_WINDOW, max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW,
-                workers: int | None = None) -> tuple["ray.data.Dataset", Callable[[], dict]]:
+                workers: int | None = None, vision: VisionData | None = None
+                ) -> tuple["ray.data.Dataset", Callable[[], dict]]:
     """SFT rows of JSON / JSONL / Parquet files as a streaming, order-preserving Ray Dataset.
 
     ``paths``: files, directories or globs. ``tokenizer_dir``: a Hugging Face tokenizer
     directory with a ``chat_template`` (same path on every node), or a :class:`ChatEncoder`. ``seq_length``,
     ``max_padding_length``, ``packing``, ``on_error``, ``window``, ``max_samples_per_row``: see
-    :class:`SFTOptions`. ``workers``: actors that read, tokenize and pack (default: the
+    :class:`SFTOptions`. ``vision``: a vision-language model's image settings (the actors then
+    decode each sample's images into the rows' ``images`` / ``num_images`` columns). ``workers``: actors that read, tokenize and pack (default: the
     cluster's CPUs, at most one per file: a file is read by one actor).
 
     Checked now, in the caller: inputs exist (else :class:`PreprocessError` naming the paths),
@@ -115,7 +118,8 @@ def sft_dataset(paths: Sequence[str | Path], tokenizer_dir: ChatEncoder | str | 
     ``examples`` (the first message per drop reason), ``files``, ``windows``.
     Needs a connected Ray.
     """
-    options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row)
+    options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row,
+                         vision)
     files = resolve_sft_inputs(paths)
     encoder = as_encoder(tokenizer_dir)
     if workers is None:

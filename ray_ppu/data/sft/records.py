@@ -1,10 +1,15 @@
 """Records → conversations: which JSON objects are SFT examples, and their chat messages.
 
-Two record forms are accepted. Alpaca ``{"instruction", "input"?, "output", "system"?}``
+Record forms. Alpaca ``{"instruction", "input"?, "output", "system"?}``
 becomes system? → user (instruction and input joined by a newline, either may be empty) →
 assistant (output). Chat ``{"messages": [{"role", "content"}, ...]}`` is used as is: roles
 system, user, assistant, several turns allowed, at least one assistant turn, no empty
-assistant turn. A record with a ``messages`` key is read as chat, else as alpaca.
+assistant turn. LLaVA / ShareGPT ``{"conversations": [{"from": human | gpt | system,
+"value"}]}`` is chat with those speakers. Caption ``{"image", "caption"}`` (projector
+pre-training) is a user turn holding only the image and the caption as the answer. The form is
+the first key found of messages, conversations, caption; else alpaca. Images (``image``: a
+path or a list; ``images`` beside chat messages) are placed by ``<image>`` tags in user turns,
+one per image (:func:`check_image_tags`).
 
 A record that cannot be used raises :class:`RecordProblem` with one reason of
 :data:`DROP_REASONS`, so the pipeline can count every dropped record under its reason.
@@ -25,8 +30,18 @@ DROP_REASONS = (
     "empty_response",     # an assistant turn (alpaca output) that is empty or blank
     "template_error",     # the chat template raised (e.g. its raise_exception on role order)
     "template_mismatch",  # the template or tokenizer does not fit the piecewise encoding
+    "image_tag_mismatch",  # <image> tags in the text ≠ the record's images (or in an answer)
+    "image_tokens_too_long",  # the images' tokens alone fill the row
+    "missing_image",      # an image file that does not exist
+    "unreadable_image",   # not an image, or truncated / corrupt
+    "empty_image",        # zero width or height
+    "image_too_large",    # more pixels than data.max_image_pixels
     "prompt_too_long",    # everything before the first assistant token fills the row
 )
+# ShareGPT / LLaVA speakers → chat roles
+SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+            "system": "system"}
+IMAGE_TAG = "<image>"
 
 
 class RecordProblem(Exception):
@@ -49,6 +64,17 @@ def conversation_from_record(record: object) -> list[dict]:
         raise RecordProblem("not_object", f"a record must be a JSON object, got {type(record).__name__}")
     if "messages" in record:
         return _chat_messages(record["messages"])
+    if "conversations" in record:
+        return _chat_messages(_sharegpt_messages(record["conversations"]))
+    if "caption" in record:
+        caption = record["caption"]
+        if not isinstance(caption, str):
+            raise RecordProblem("bad_field_type", f"field 'caption' is {type(caption).__name__}, "
+                                f"not a string")
+        if not caption.strip():
+            raise RecordProblem("empty_response", "field 'caption' is empty")
+        # projector pre-training (LLaVA / Bunny stage 1): the image, then its caption to learn
+        return [{"role": "user", "content": IMAGE_TAG}, {"role": "assistant", "content": caption}]
     missing = [k for k in ("instruction", "output") if record.get(k) is None]
     if missing:
         raise RecordProblem("missing_fields", f"neither 'messages' nor alpaca field(s) {missing}")
@@ -89,3 +115,48 @@ def _chat_messages(messages: object) -> list[dict]:
     if not any(m["role"] == "assistant" for m in out):
         raise RecordProblem("no_assistant_turn", "the conversation has no assistant turn")
     return out
+
+
+def _sharegpt_messages(turns: object) -> object:
+    """LLaVA / ShareGPT ``[{"from": human | gpt | system, "value": ...}]`` as chat messages
+    (checked by the chat rules after)."""
+    if not isinstance(turns, list):
+        raise RecordProblem("bad_field_type", f"'conversations' is {type(turns).__name__}, not a list")
+    out = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RecordProblem("bad_field_type", f"conversations[{i}] is {type(turn).__name__}, not an object")
+        speaker, value = turn.get("from"), turn.get("value")
+        if speaker is None or value is None:
+            raise RecordProblem("missing_fields", f"conversations[{i}] has no 'from' or no 'value'")
+        if speaker not in SPEAKERS:
+            raise RecordProblem("unknown_role", f"conversations[{i}] is from {speaker!r} (allowed: "
+                                f"{', '.join(SPEAKERS)})")
+        out.append({"role": SPEAKERS[speaker], "content": value})
+    return out
+
+
+def record_images(record: dict) -> list[str]:
+    """The image paths of a record: ``image`` (one path or a list, LLaVA / caption form) or
+    ``images`` (chat form); [] for none."""
+    value = record.get("images", record.get("image"))
+    if value is None:
+        return []
+    paths = [value] if isinstance(value, str) else value
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p for p in paths):
+        raise RecordProblem("bad_field_type", f"'image' / 'images' must be a path or a list of "
+                            f"paths, got {value!r:.80}")
+    return paths
+
+
+def check_image_tags(messages: list[dict], images: list[str]) -> None:
+    """The record's text holds one <image> tag per image, none in an assistant turn."""
+    tags = sum(m["content"].count(IMAGE_TAG) for m in messages)
+    answered = [i for i, m in enumerate(messages)
+                if m["role"] == "assistant" and IMAGE_TAG in m["content"]]
+    if answered:
+        raise RecordProblem("image_tag_mismatch", f"an {IMAGE_TAG} tag in assistant turn "
+                            f"messages[{answered[0]}]: images go in user turns")
+    if tags != len(images):
+        raise RecordProblem("image_tag_mismatch", f"{tags} {IMAGE_TAG} tag(s) in the text, "
+                            f"{len(images)} image(s) in the record")

@@ -11,9 +11,11 @@ the package docstring (:mod:`ray_ppu.data.sft`). No tokenizer and no Ray here: p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
+
+from ray_ppu.data.sft.image_samples import VisionData, empty_image_columns
 
 ON_ERROR = ("skip", "fail")
 DEFAULT_WINDOW = 1024
@@ -33,6 +35,7 @@ class SFTOptions:
     ``packing``: several samples per row. ``on_error``: ``"skip"`` (count and go on) or
     ``"fail"`` (raise on the first bad record). ``window``: records per packing window.
     ``max_samples_per_row``: packed samples per row at most (fixes the ``cu_seqlens`` width).
+    ``vision``: a vision-language model's image settings (rows then carry image columns).
     """
 
     seq_length: int
@@ -41,6 +44,7 @@ class SFTOptions:
     on_error: str = "skip"
     window: int = DEFAULT_WINDOW
     max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW
+    vision: Optional[VisionData] = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.seq_length) or self.seq_length < 2:
@@ -100,6 +104,8 @@ def empty_rows(options: SFTOptions) -> dict[str, np.ndarray]:
         rows["cu_seqlens"] = np.empty((0, options.cu_seqlens_width), np.int32)
         rows["num_seqs"] = np.empty((0,), np.int32)
         rows["max_seqlen"] = np.empty((0,), np.int32)
+    if options.vision is not None:
+        rows.update(empty_image_columns(options.vision, length))
     return rows
 
 
@@ -117,13 +123,9 @@ def pad_rows(samples: Sequence[tuple], length: int, pad_id: int) -> dict[str, np
     return rows
 
 
-def pack_rows(samples: Sequence[tuple], seq_length: int, pad_id: int,
-              max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW) -> dict[str, np.ndarray]:
-    """Samples ``(tokens, labels, loss_mask)`` (each ≤ ``seq_length``), in order, greedily packed
-    into rows of ``seq_length``: a row is closed when the next sample does not fit or it holds
-    ``max_samples_per_row`` samples. Positions restart at 0 per sample and for the padding tail;
-    ``cu_seqlens`` / ``num_seqs`` / ``max_seqlen`` describe each row's sequences (padding tail
-    last)."""
+def pack_groups(samples: Sequence[tuple], seq_length: int,
+                max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW) -> list[list[tuple]]:
+    """The samples of each packed row (:func:`pack_rows`' greedy rule)."""
     groups: list[list[tuple]] = []
     used = seq_length + 1
     for sample in samples:
@@ -134,6 +136,17 @@ def pack_rows(samples: Sequence[tuple], seq_length: int, pad_id: int,
             used = 0
         groups[-1].append(sample)
         used += len(sample[0])
+    return groups
+
+
+def pack_rows(samples: Sequence[tuple], seq_length: int, pad_id: int,
+              max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW) -> dict[str, np.ndarray]:
+    """Samples ``(tokens, labels, loss_mask)`` (each ≤ ``seq_length``), in order, greedily packed
+    into rows of ``seq_length``: a row is closed when the next sample does not fit or it holds
+    ``max_samples_per_row`` samples. Positions restart at 0 per sample and for the padding tail;
+    ``cu_seqlens`` / ``num_seqs`` / ``max_seqlen`` describe each row's sequences (padding tail
+    last)."""
+    groups = pack_groups(samples, seq_length, max_samples_per_row)
     n, width = len(groups), min(max_samples_per_row, seq_length) + 2
     rows = {"tokens": np.full((n, seq_length), pad_id, np.int32),
             "labels": np.full((n, seq_length), pad_id, np.int32),

@@ -12,13 +12,16 @@ documents.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
 from ray_ppu.data.sft.chat_encoder import ChatEncoder
 from ray_ppu.data.sft.files import file_entries, open_local, problem_or_raise, resolve_sft_inputs, windows
-from ray_ppu.data.sft.records import DROP_REASONS, RecordProblem, conversation_from_record
+from ray_ppu.data.sft.image_samples import (VisionData, check_fit, decode, image_columns,
+                                            whole_images)
+from ray_ppu.data.sft.records import (DROP_REASONS, RecordProblem, check_image_tags,
+                                      conversation_from_record, record_images)
 from ray_ppu.data.sft.rows import (
     DEFAULT_MAX_SAMPLES_PER_ROW,
     DEFAULT_WINDOW,
@@ -26,6 +29,7 @@ from ray_ppu.data.sft.rows import (
     concat_rows,
     empty_rows,
     make_sample,
+    pack_groups,
     pack_rows,
     pad_rows,
 )
@@ -69,38 +73,93 @@ def process_window(entries: Sequence[tuple], encoder: ChatEncoder, options: SFTO
     """Rows and statistics of one window of entries (see the package docstring)."""
     stats = new_stats()
     stats["records_read"] = len(entries)
-    good = [e for e in entries if e[0] == "ok"]
+    good = []
     for entry in entries:
         if entry[0] == "problem":
             _count_problem(stats, entry[1], entry[2])
-    samples = []
-    length = options.row_length
-    for entry, result in zip(good, encoder.encode_many([e[1] for e in good])):
-        if isinstance(result, RecordProblem):
-            message = f"{entry[2]}: {result.message}"
-            if options.on_error == "fail":
-                raise PreprocessError(message)
-            _count_problem(stats, result.reason, message)
             continue
-        sample = make_sample(*result, length)
-        if sample is None:
-            _count_problem(stats, "prompt_too_long", f"{entry[2]}: the prompt alone is "
-                           f"{result[1].index(1)} tokens, the row {length}")
+        try:
+            _check_images(entry, options)
+            good.append(entry)
+        except RecordProblem as problem:
+            _drop(stats, options, problem, entry[2])
+    vision = options.vision
+    image_token = (vision.token_id, vision.tokens_per_image) if vision else None
+    samples = []
+    for entry, result in zip(good, encoder.encode_many([e[1] for e in good], image_token)):
+        try:
+            if isinstance(result, RecordProblem):
+                raise result
+            sample = _sample(entry, result, options)
+        except RecordProblem as problem:
+            _drop(stats, options, problem, entry[2])
             continue
         samples.append(sample)
         stats["truncated"] += sample[3]
         stats["sample_tokens"] += len(sample[0])
         stats["loss_tokens"] += int(sample[2].sum())
     stats["samples_used"] = len(samples)
+    rows = _rows(samples, encoder, options)
+    stats["rows"] = len(rows["tokens"])
+    stats["row_tokens"] = stats["rows"] * options.row_length
+    return rows, stats
+
+
+def _drop(stats: dict, options: SFTOptions, problem: RecordProblem, where: str) -> None:
+    """Count a dropped record (``fail``: raise, except for the prompt_too_long length policy)."""
+    message = f"{where}: {problem.message}"
+    if options.on_error == "fail" and problem.reason != "prompt_too_long":
+        raise PreprocessError(message)
+    _count_problem(stats, problem.reason, message)
+
+
+def _check_images(entry: tuple, options: SFTOptions) -> None:
+    """A record's images fit the model: none for a text model, one tag each for a
+    vision-language one."""
+    images = entry[3] if len(entry) > 3 else []
+    if options.vision is None:
+        if images:
+            raise RecordProblem("bad_field_type", f"{len(images)} image(s), and the model has "
+                                f"no vision part (vision.encoder)")
+        return
+    check_image_tags(entry[1], images)
+
+
+def _sample(entry: tuple, encoded: tuple, options: SFTOptions) -> tuple:
+    """The sample of one encoded conversation (with its images' pixels, for a vision-language
+    model); a RecordProblem when it cannot be used."""
+    length = options.row_length
+    ids, mask = encoded
+    vision, images = options.vision, (entry[3] if len(entry) > 3 else [])
+    if vision is not None:
+        check_fit(vision, length, len(images))
+    sample = make_sample(ids, mask, length)
+    if vision is not None and sample is not None:
+        sample, kept = whole_images(sample, vision, length)
+        images = images[:kept]
+    if sample is None:
+        prompt = mask.index(1) if 1 in mask else len(mask)
+        raise RecordProblem("prompt_too_long", f"the prompt alone is {prompt} tokens, the row "
+                            f"{length}")
+    if vision is None:
+        return sample
+    return (*sample, decode(vision.resolve(images, entry[4]), vision, entry[2]))
+
+
+def _rows(samples: list, encoder: ChatEncoder, options: SFTOptions) -> dict:
+    """The window's rows: padded or packed, with image columns for a vision-language model."""
     if not samples:
-        rows = empty_rows(options)
-    elif options.packing:
+        return empty_rows(options)
+    length = options.row_length
+    if options.packing:
         rows = pack_rows(samples, options.seq_length, encoder.pad_id, options.max_samples_per_row)
     else:
         rows = pad_rows(samples, length, encoder.pad_id)
-    stats["rows"] = len(rows["tokens"])
-    stats["row_tokens"] = stats["rows"] * length
-    return rows, stats
+    if options.vision is not None:
+        groups = (pack_groups(samples, options.seq_length, options.max_samples_per_row)
+                  if options.packing else [[sample] for sample in samples])
+        rows.update(image_columns(groups, options.vision, length))
+    return rows
 
 
 # --- the whole pipeline in this process -------------------------------------------------------
@@ -114,7 +173,8 @@ def as_encoder(tokenizer) -> ChatEncoder:
 def sft_rows(records: Sequence[object], tokenizer: ChatEncoder | str | Path, seq_length: int,
              max_padding_length: int | None = None, packing: bool = False, on_error: str = "skip",
              *, window: int = DEFAULT_WINDOW, max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW,
-             source: str = "<records>") -> tuple[dict[str, np.ndarray], dict]:
+             source: str = "<records>", vision: Optional[VisionData] = None
+             ) -> tuple[dict[str, np.ndarray], dict]:
     """Rows and summary of already-parsed records, in this process (tests, inspection).
 
     ``records`` are treated as one file named ``source`` (windows of ``window`` records), so a
@@ -123,13 +183,16 @@ def sft_rows(records: Sequence[object], tokenizer: ChatEncoder | str | Path, seq
     rows: dict of arrays ``[n_rows, row_length]`` (+ packing columns), summary: see
     :func:`sft_dataset`.
     """
-    options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row)
+    options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row,
+                         vision)
     encoder = as_encoder(tokenizer)
 
     def entries():
         for i, record in enumerate(records):
             try:
-                yield ("ok", conversation_from_record(record), f"{source}: record {i}")
+                images = record_images(record) if isinstance(record, dict) else []
+                yield ("ok", conversation_from_record(record), f"{source}: record {i}", images,
+                       source)
             except RecordProblem as problem:
                 yield problem_or_raise(problem.reason, f"{source}: record {i}: {problem.message}", on_error)
 
@@ -139,14 +202,16 @@ def sft_rows(records: Sequence[object], tokenizer: ChatEncoder | str | Path, seq
 def sft_rows_from_files(paths: Sequence[str | Path], tokenizer: ChatEncoder | str | Path, seq_length: int,
                         max_padding_length: int | None = None, packing: bool = False,
                         on_error: str = "skip", *, window: int = DEFAULT_WINDOW,
-                        max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW
+                        max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW,
+                        vision: Optional[VisionData] = None
                         ) -> tuple[dict[str, np.ndarray], dict]:
     """:func:`sft_dataset`'s rows and summary, computed in this process without Ray.
 
     Same arguments and the same rows in the same order (the windows are the same); for
     inspection, and for runs without Ray (torchrun).
     """
-    options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row)
+    options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row,
+                         vision)
     files = resolve_sft_inputs(paths)
     encoder = as_encoder(tokenizer)
 

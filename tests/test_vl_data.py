@@ -1,0 +1,178 @@
+"""Image-text SFT records → rows with image tokens and uint8 pixels (in-process pipeline; the
+Ray path runs the same window function).
+
+The records are real files: PNG / JPEG images drawn with Pillow, referred to by the three
+forms users have (LLaVA / ShareGPT conversations, chat messages + images, caption pairs),
+tokenized with the real Qwen2 vocabulary and ChatML template.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ray_ppu.data.images import ImageSpec, normalize
+from ray_ppu.data.sft import sft_rows
+from ray_ppu.data.sft.image_samples import VisionData
+
+IMAGE_ID = 151655  # Qwen2's <|image_pad|>
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    from PIL import Image, ImageDraw
+
+    root = tmp_path_factory.mktemp("images")
+    red = Image.new("RGB", (40, 30), (128, 128, 128))
+    ImageDraw.Draw(red).ellipse((5, 5, 30, 25), fill=(220, 20, 20))
+    red.save(root / "red.png")
+    Image.new("RGB", (24, 48), (20, 30, 200)).save(root / "blue.jpg", quality=90)
+    Image.new("P", (33, 33), 3).save(root / "palette.png")
+    Image.new("CMYK", (20, 20), (0, 255, 255, 0)).save(root / "cmyk.jpg")
+    Image.new("RGBA", (20, 20), (0, 255, 0, 128)).save(root / "alpha.png")
+    (root / "text.jpg").write_text("not an image")
+    data = (root / "red.png").read_bytes()
+    (root / "truncated.png").write_bytes(data[: len(data) // 2])
+    return root
+
+
+def _vision(root, **changes) -> VisionData:
+    settings = {"max_pixels": 10**6, "image_root": str(root), **changes}
+    return VisionData(IMAGE_ID, TOKENS, ImageSpec.siglip(32), **settings)
+
+
+def _ask(image, question="What is it?", answer="A shape."):
+    return {"image": image, "conversations": [{"from": "human", "value": f"<image>\n{question}"},
+                                               {"from": "gpt", "value": answer}]}
+
+
+def test_three_record_forms_give_image_tokens_and_pixels(image_dir, qwen2_tokenizer_dir):
+    from PIL import Image
+    from transformers import SiglipImageProcessor
+
+    records = [
+        _ask("red.png"),
+        {"messages": [{"role": "user", "content": "<image> or <image>?"},
+                      {"role": "assistant", "content": "The second."}],
+         "images": ["blue.jpg", str(image_dir / "red.png")]},  # relative and absolute
+        {"image": "palette.png", "caption": "A flat colour."},
+    ]
+    rows, summary = sft_rows(records, qwen2_tokenizer_dir, 128, vision=_vision(image_dir))
+    assert summary["samples_used"] == 3 and summary["dropped_total"] == 0
+    assert list(rows["num_images"]) == [1, 2, 1]
+    assert rows["images"].shape == (3, 128 // TOKENS, 3, 32, 32) and rows["images"].dtype == np.uint8
+    for r, n in enumerate(rows["num_images"]):
+        places = rows["tokens"][r] == IMAGE_ID
+        assert places.sum() == n * TOKENS
+        assert not rows["loss_mask"][r][places].any()  # never in the loss
+        assert not rows["images"][r, n:].any()  # unused slots stay empty
+    # each image's tokens are one run, the tag's place in the text
+    first = np.flatnonzero(rows["tokens"][0] == IMAGE_ID)
+    assert (np.diff(first) == 1).all()
+    # the pixels, normalised as a rank does, are Hugging Face's processor's
+    processor = SiglipImageProcessor(size={"height": 32, "width": 32})
+    spec = ImageSpec.siglip(32)
+    for r, slot, name in ((0, 0, "red.png"), (1, 0, "blue.jpg"), (1, 1, "red.png")):
+        theirs = processor(images=Image.open(image_dir / name), return_tensors="pt").pixel_values[0]
+        ours = normalize(torch.from_numpy(rows["images"][r, slot]), spec)
+        assert torch.equal(ours, theirs), (r, slot, name)
+
+
+def test_image_tokens_are_what_hf_tokenizes_for_the_expanded_prompt(qwen2_tokenizer_dir,
+                                                                   tmp_path):
+    """As Hugging Face's LLaVA processor does: the chat template's rendering with each
+    <image> tag written as 16 image tokens (an added token, so text never merges across it),
+    tokenized whole. Our turn-by-turn encoding gives exactly those ids."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from ray_ppu.data.sft import ChatEncoder
+
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(qwen2_tokenizer_dir, directory)
+    table = json.loads((directory / "tokenizer.json").read_text())
+    table["added_tokens"].append({"id": IMAGE_ID, "content": "<|image_pad|>", "single_word": False,
+                                  "lstrip": False, "rstrip": False, "normalized": False,
+                                  "special": True})
+    (directory / "tokenizer.json").write_text(json.dumps(table))
+    messages = [{"role": "system", "content": "Look."},
+                {"role": "user", "content": "<image>\nWhat colour is\n<image>?"},
+                {"role": "assistant", "content": "Red, then blue."}]
+    encoder = ChatEncoder(directory)
+    ids, mask = encoder.encode_many([messages], (IMAGE_ID, TOKENS))[0]
+    expanded = [{**m, "content": m["content"].replace("<image>", "<|image_pad|>" * TOKENS)}
+                for m in messages]
+    hf = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    pad = hf.token_to_id("<|image_pad|>")  # this exported vocabulary numbers it on from its end
+    theirs = [IMAGE_ID if t == pad else t
+              for t in hf.encode(encoder.render(expanded), add_special_tokens=False).ids]
+    assert ids == theirs[:len(ids)] and ids.count(IMAGE_ID) == 2 * TOKENS
+    assert not any(m for t, m in zip(ids, mask) if t == IMAGE_ID)
+
+
+def test_every_bad_input_is_counted_with_its_place(image_dir, qwen2_tokenizer_dir):
+    records = [
+        _ask("missing.png"),                      # 0 missing_image
+        _ask("text.jpg"),                         # 1 unreadable_image
+        _ask("truncated.png"),                    # 2 unreadable_image
+        {"image": ["red.png", "blue.jpg"],        # 3 image_tag_mismatch (1 tag, 2 images)
+         "conversations": [{"from": "human", "value": "<image> hi"}, {"from": "gpt", "value": "x"}]},
+        {"messages": [{"role": "user", "content": "draw"},  # 4 tag in an answer
+                      {"role": "assistant", "content": "<image>"}], "images": ["red.png"]},
+        {"image": ["red.png"] * 8, "conversations": [  # 5 images alone fill the 128-token row
+            {"from": "human", "value": "<image>" * 8}, {"from": "gpt", "value": "x"}]},
+        _ask("cmyk.jpg"), _ask("alpha.png"), _ask("palette.png"),  # converted, used
+        _ask("red.png"),
+    ]
+    rows, summary = sft_rows(records, qwen2_tokenizer_dir, 128, vision=_vision(image_dir),
+                             source="vl.jsonl")
+    dropped = {k: v for k, v in summary["dropped"].items() if v}
+    assert dropped == {"missing_image": 1, "unreadable_image": 2, "image_tag_mismatch": 2,
+                       "image_tokens_too_long": 1}
+    assert summary["samples_used"] == 4 and summary["records_read"] == 10
+    examples = summary["examples"]
+    assert examples["missing_image"].startswith("vl.jsonl: record 0: ")
+    assert "missing.png" in examples["missing_image"]
+    assert examples["unreadable_image"].startswith("vl.jsonl: record 1: ")
+    assert "1 <image> tag(s) in the text, 2 image(s)" in examples["image_tag_mismatch"]
+    assert "8 image(s) of 16 tokens fill the 128-token row" in examples["image_tokens_too_long"]
+
+
+def test_huge_image_is_refused_by_its_header(image_dir, qwen2_tokenizer_dir):
+    rows, summary = sft_rows([_ask("red.png")], qwen2_tokenizer_dir, 128,
+                             vision=_vision(image_dir, max_pixels=1000))
+    assert summary["dropped"]["image_too_large"] == 1
+    assert "40 x 30" in summary["examples"]["image_too_large"]
+
+
+def test_packing_keeps_each_rows_images_in_token_order(image_dir, qwen2_tokenizer_dir):
+    records = [_ask(name, f"Q{i}") for i, name in enumerate(["red.png", "blue.jpg"] * 3)]
+    rows, summary = sft_rows(records, qwen2_tokenizer_dir, 160, packing=True,
+                             vision=_vision(image_dir))
+    assert summary["samples_used"] == 6 and rows["images"].shape[1] == 160 // TOKENS
+    assert int(rows["num_images"].sum()) == 6
+    for r, n in enumerate(rows["num_images"]):
+        assert (rows["tokens"][r] == IMAGE_ID).sum() == n * TOKENS
+        # samples alternate red, blue: so do the row's image slots
+        reds = [rows["images"][r, k, 0].mean() > rows["images"][r, k, 2].mean() for k in range(n)]
+        assert all(a != b for a, b in zip(reds, reds[1:]))
+
+
+def test_a_cut_sample_keeps_whole_images_only(image_dir, qwen2_tokenizer_dir):
+    """A second user turn's image that the row cuts in two goes, with the turn."""
+    record = {"image": ["red.png", "blue.jpg"], "conversations": [
+        {"from": "human", "value": "<image> first?"}, {"from": "gpt", "value": "Red."},
+        {"from": "human", "value": "<image> second?"}, {"from": "gpt", "value": "Blue."}]}
+    rows, summary = sft_rows([record], qwen2_tokenizer_dir, 48, vision=_vision(image_dir))
+    assert summary["truncated"] == 1 and list(rows["num_images"]) == [1]
+    assert (rows["tokens"][0] == IMAGE_ID).sum() == TOKENS
+
+
+def test_text_model_refuses_records_with_images(image_dir, qwen2_tokenizer_dir):
+    rows, summary = sft_rows([_ask("red.png")], qwen2_tokenizer_dir, 128)
+    assert summary["dropped"]["bad_field_type"] == 1
+    assert "no vision part" in summary["examples"]["bad_field_type"]
