@@ -38,10 +38,12 @@ def _images(data: Optional[dict], spec) -> torch.Tensor:
     device (:func:`ray_ppu.data.images.normalize`: the values HF's processor gives)."""
     from ray_ppu.data.images import normalize
 
+    if data is not None:  # Megatron broadcasts at most 4 dims: [b, slots, 3·H·W] on the wire
+        data["images"] = data["images"].flatten(2)
     pixels = tensor_parallel.broadcast_data(["images"], data, torch.uint8)["images"]
     counts = tensor_parallel.broadcast_data(["num_images"], data, torch.int64)["num_images"]
     used = torch.arange(pixels.shape[1], device=pixels.device) < counts[:, None]
-    return normalize(pixels[used], spec)
+    return normalize(pixels[used].view(-1, 3, spec.height, spec.width), spec)
 
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
