@@ -34,7 +34,7 @@ from ray_ppu.hf.files import Checkpoint
 from ray_ppu.hf.weights import Piece, fill_pieces, hf_shapes, load_into, pieces
 
 _LAYER = "decoder.layers."
-# ViT Megatron key (after ``vision_model.``) → HF name under ``vision_model.encoder.layers.N.``
+# ViT Megatron key (after ``vision_model.``) → HF name under the tower's ``encoder.layers.N.``
 _LAYER_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "layer_norm1.weight",
     "self_attention.linear_qkv.layer_norm_bias": "layer_norm1.bias",

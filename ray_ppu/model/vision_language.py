@@ -241,10 +241,7 @@ def build(cfg: RunConfig, language_model, language_settings: dict, te: bool,
     vision = cfg.vision
 
     def config(settings: dict, activation: str) -> TransformerConfig:
-        settings = dict(settings)
-        for key in ("params_dtype", "pipeline_dtype"):
-            settings[key] = getattr(torch, settings[key]) if isinstance(settings[key], str) \
-                else settings[key]
+        # the language settings it derives from already hold torch dtypes (gpt._settings)
         return TransformerConfig(**settings, activation_func=ACTIVATION_FUNCTIONS[activation],
                                  use_cpu_initialization=use_cpu_initialization)
 

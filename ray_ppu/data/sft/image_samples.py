@@ -95,7 +95,7 @@ def whole_images(sample: tuple, vision: VisionData, row_length: int):
     return (tokens, labels, mask, truncated), kept
 
 
-def decode(paths: Sequence[str], vision: VisionData, where: str) -> list[np.ndarray]:
+def decode(paths: Sequence[str], vision: VisionData) -> list[np.ndarray]:
     """The images' uint8 [3, H, W] pixels; a bad image is a RecordProblem with its reason
     (missing_image, unreadable_image, empty_image, image_too_large)."""
     out = []

@@ -143,7 +143,7 @@ def _sample(entry: tuple, encoded: tuple, options: SFTOptions) -> tuple:
                             f"{length}")
     if vision is None:
         return sample
-    return (*sample, decode(vision.resolve(images, entry[4]), vision, entry[2]))
+    return (*sample, decode(vision.resolve(images, entry[4]), vision))
 
 
 def _rows(samples: list, encoder: ChatEncoder, options: SFTOptions) -> dict:
