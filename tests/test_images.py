@@ -32,9 +32,9 @@ from ray_ppu.data.images import (
     ImageSpec,
     image_bytes_per_sample,
     load_image,
-    normalize,
     resized_size,
 )
+from ray_ppu.train.batch import normalize
 
 transformers = pytest.importorskip("transformers")
 

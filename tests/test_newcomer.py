@@ -113,7 +113,9 @@ def _numeric(annotation) -> bool:
 NOT_SIZES = {"training.adam_beta1", "training.adam_beta2", "memory.optimizer_offload_fraction",
              "model.hidden_dropout", "model.attention_dropout", "lora.dropout",
              # mappings of numbers: each value is held to its bound by the lora rules
-             "lora.rank_pattern", "lora.alpha_pattern"}
+             "lora.rank_pattern", "lora.alpha_pattern",
+             # an index into the ViT's layers, negative from the end: the vision rules bound it
+             "vision.feature_layer"}
 
 
 def test_every_numeric_field_states_its_bound_in_its_docstring():

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from ray_ppu.data.images import ImageSpec, normalize
+from ray_ppu.data.images import ImageSpec
+from ray_ppu.train.batch import normalize
 from ray_ppu.data.sft import sft_rows
 from ray_ppu.data.sft.image_samples import VisionData
 
@@ -176,3 +177,22 @@ def test_text_model_refuses_records_with_images(image_dir, qwen2_tokenizer_dir):
     rows, summary = sft_rows([_ask("red.png")], qwen2_tokenizer_dir, 128)
     assert summary["dropped"]["bad_field_type"] == 1
     assert "no vision part" in summary["examples"]["bad_field_type"]
+
+
+def test_vision_plan_problems_are_named_together():
+    from ray_ppu.config.loader import load
+    from ray_ppu.errors import ConfigError
+    from ray_ppu.plan import build_plan
+
+    cfg = load(None, ["model.preset=tiny-vl", "data.dataset=idxmap", "vision.feature_layer=3",
+                      "vision.num_attention_heads=3", "vision.freeze=[vision, projector, llm]",
+                      "parallel.context_parallel_size=2", "vision.image_token_id=10000000"])
+    with pytest.raises(ConfigError) as err:
+        build_plan(cfg)
+    text = str(err.value)
+    for line in ["vision.feature_layer=3 selects no layer of vision.num_layers=2",
+                 "vision.hidden_size=32 is not divisible by vision.num_attention_heads=3",
+                 "vision.freeze=['vision', 'projector', 'llm']: llm is not one of",
+                 "vision.encoder with CP 2", "vision.image_token_id=10000000 is outside",
+                 "vision.encoder trains on image-text records: set data.dataset=sft"]:
+        assert line in text, (line, text)

@@ -3,7 +3,9 @@
 Why: images are decoded by Ray Data CPU tasks, not by the training ranks, whose CPUs feed the
 accelerators. Each image travels to the ranks as uint8 ``[3, H, W]`` (:func:`load_image`): 4x
 fewer bytes than the float32 ``pixel_values`` of a Hugging Face processor, in the object store
-and on the wire. The rank makes those float32 values on its device (:func:`normalize`).
+and on the wire. The rank makes those float32 values on its device
+(:func:`ray_ppu.train.batch.normalize`); this module imports no torch, so reader processes
+stay small.
 
 The values are bit-identical to the ``pixel_values`` of transformers' ``SiglipImageProcessor`` /
 ``CLIPImageProcessor`` PIL backend (what transformers 5 uses without torchvision; its torchvision
@@ -18,9 +20,9 @@ backend resizes tensors, a few levels apart). Their pipeline, reproduced step by
 3. CLIP's centre crop: offset ``(size - crop) // 2`` per axis, zeros past the image's edges.
 4. ``float32(float64(x) * rescale_factor)``, then ``(x - mean) / std`` in float32.
 
-Steps 1-3 give integers (CPU). Step 4 depends only on (channel, uint8 value): :func:`normalize`
-looks it up in a 3 × 256 table made with HF's numpy arithmetic, exact on any device without
-float64 (float32 arithmetic there lands up to 2 ulp off).
+Steps 1-3 give integers (CPU). Step 4 depends only on (channel, uint8 value): the rank looks
+it up in a 3 × 256 table (:func:`value_table`) made with HF's numpy arithmetic, exact on any
+device without float64 (float32 arithmetic there lands up to 2 ulp off).
 
 A bad image is an :class:`ImageProblem` (:data:`IMAGE_REASONS`): the header's size is checked
 before any pixel is decoded, then every pixel is (PIL opens lazily), so a truncated file fails
@@ -39,7 +41,6 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import numpy as np
-import torch
 from PIL import Image
 
 from ray_ppu.errors import ConfigError
@@ -360,8 +361,10 @@ def load_image(source: Source, spec: ImageSpec, max_pixels: int, *,
 
 
 @functools.lru_cache(maxsize=32)
-def _value_table(spec: ImageSpec, device: torch.device) -> torch.Tensor:
-    """[3, 256] float32: HF's value for each (channel, uint8 value), by HF's numpy steps."""
+def value_table(spec: ImageSpec) -> np.ndarray:
+    """[3, 256] float32, read-only: HF's value for each (channel, uint8 value), made by HF's
+    numpy steps (rescale in float64, normalise in float32). The rank looks its uint8 pixels up
+    in it on the device (:func:`ray_ppu.train.batch.normalize`)."""
     values = np.tile(np.arange(256, dtype=np.uint8), (3, 1))
     if spec.do_rescale:
         values = (values.astype(np.float64) * spec.rescale_factor).astype(np.float32)
@@ -370,19 +373,9 @@ def _value_table(spec: ImageSpec, device: torch.device) -> torch.Tensor:
     if spec.do_normalize:
         mean = np.asarray(spec.image_mean, dtype=np.float32)[:, None]
         values = (values - mean) / np.asarray(spec.image_std, dtype=np.float32)[:, None]
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(device)
-
-
-def normalize(pixels: torch.Tensor, spec: ImageSpec) -> torch.Tensor:
-    """uint8 ``[..., 3, H, W]`` on any device → HF's float32 ``pixel_values`` for them, on that
-    device, bit for bit (a table lookup: see the module docstring). With do_rescale and
-    do_normalize both false HF gives uint8: the same values come back as float32."""
-    if pixels.dtype != torch.uint8 or pixels.dim() < 3 or pixels.shape[-3] != 3:
-        raise ValueError(f"normalize takes uint8 [..., 3, H, W] pixels, got {pixels.dtype} "
-                         f"{list(pixels.shape)}")
-    index = pixels.to(torch.int64)
-    index += torch.arange(0, 3 * 256, 256, device=pixels.device).view(3, 1, 1)
-    return _value_table(spec, pixels.device).view(-1)[index]
+    table = np.ascontiguousarray(values, dtype=np.float32)
+    table.flags.writeable = False  # shared by every caller through the cache
+    return table
 
 
 def image_bytes_per_sample(spec: ImageSpec) -> int:

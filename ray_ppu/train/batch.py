@@ -8,6 +8,7 @@ the block-diagonal mask (local attention) or the THD parameters (Transformer Eng
 
 from __future__ import annotations
 
+import functools
 import time
 from functools import partial
 from typing import Iterator, Optional
@@ -16,6 +17,8 @@ import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.utils import get_attr_wrapped_model
+
+from ray_ppu.data.images import value_table
 
 Microbatch = dict  # tokens, labels, loss_mask, position_ids: [micro_batch_size, seq_length]
 _INT_KEYS = ("tokens", "labels", "position_ids")
@@ -35,15 +38,30 @@ def _as_tensors(batch: dict, device: torch.device) -> dict:
 def _images(data: Optional[dict], spec) -> torch.Tensor:
     """The microbatch's images as float pixel values [n, 3, H, W], row by row (each row's
     first ``num_images`` slots), broadcast over TP as uint8 and normalised here, on the
-    device (:func:`ray_ppu.data.images.normalize`: the values HF's processor gives)."""
-    from ray_ppu.data.images import normalize
-
+    device (:func:`normalize`: the values HF's processor gives)."""
     if data is not None:  # Megatron broadcasts at most 4 dims: [b, slots, 3·H·W] on the wire
         data["images"] = data["images"].flatten(2)
     pixels = tensor_parallel.broadcast_data(["images"], data, torch.uint8)["images"]
     counts = tensor_parallel.broadcast_data(["num_images"], data, torch.int64)["num_images"]
     used = torch.arange(pixels.shape[1], device=pixels.device) < counts[:, None]
     return normalize(pixels[used].view(-1, 3, spec.height, spec.width), spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _device_table(spec, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(value_table(spec).copy()).to(device)
+
+
+def normalize(pixels: torch.Tensor, spec) -> torch.Tensor:
+    """uint8 ``[..., 3, H, W]`` on any device → HF's float32 ``pixel_values`` for them, on that
+    device, bit for bit (a lookup in :func:`ray_ppu.data.images.value_table`). With do_rescale
+    and do_normalize both false HF gives uint8: the same values come back as float32."""
+    if pixels.dtype != torch.uint8 or pixels.dim() < 3 or pixels.shape[-3] != 3:
+        raise ValueError(f"normalize takes uint8 [..., 3, H, W] pixels, got {pixels.dtype} "
+                         f"{list(pixels.shape)}")
+    index = pixels.to(torch.int64)
+    index += torch.arange(0, 3 * 256, 256, device=pixels.device).view(3, 1, 1)
+    return _device_table(spec, pixels.device).view(-1)[index]
 
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:
