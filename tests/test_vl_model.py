@@ -123,6 +123,25 @@ def test_logits_equal_transformers_at_every_layout(llava_dirs, launched, kind):
         assert (ours - reference).abs().max() <= 1e-4, (kind, tp, pp)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_is_bit_exact(llava_dirs, launched, tmp_path, kind):
+    """LLaVA → torch_dist (converted at TP 2) → LLaVA: every tensor bit for bit (the tower's
+    last layer and SigLIP's head, which LLaVA never runs, come from the source directory), the
+    same config.json; an image processor config beside them."""
+    from ray_ppu.hf.files import read_all
+    from ray_ppu.offline.mcore_to_hf import export
+
+    summary = export(launched / f"mcore_{kind}", tmp_path / "exported")
+    out = Path(summary["out"])
+    original, exported = dict(read_all(llava_dirs[kind])), dict(read_all(out))
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    assert json.loads((out / "config.json").read_text()) == \
+        json.loads((llava_dirs[kind] / "config.json").read_text())
+    assert "preprocessor_config.json" in summary["copied"]
+
+
 def test_llava_config_json_gives_the_vision_section(llava_dirs):
     from ray_ppu.hf import config as hf_config
     from ray_ppu.hf.llava import llava_from_hf
@@ -184,6 +203,7 @@ def _run_layouts(jobs: dict) -> None:
 
     from ray_ppu.model import parallel
     from ray_ppu.offline import inference
+    from ray_ppu.offline.hf_to_mcore import to_mcore
 
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     out = Path(jobs["out"])
@@ -201,6 +221,7 @@ def _run_layouts(jobs: dict) -> None:
                                                      torch.device("cpu"), reference["pixels"])
                 if dist.get_rank() == 0:
                     torch.save(logits, out / f"{kind}_tp{tp}_pp{pp}.pt")
+            to_mcore(directory, out / f"mcore_{kind}", tp=2)  # for the export test
 
 
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed

@@ -67,6 +67,9 @@ class Meta:
     lora: Optional[dict] = None
     """A LoRA run's lora section: the checkpoint holds its adapters (and the base parts it
     trains), not the base."""
+    vision: Optional[dict] = None
+    """A vision-language model's vision section (its encoder, projector and image token):
+    export, generation and a later stage read the architecture from it."""
     base: Optional[dict] = None
     """A LoRA run's base: path, kind (hf / mcore) and content fingerprint
     (:mod:`ray_ppu.checkpoint.base`); a resume on another base is refused."""
@@ -99,6 +102,8 @@ def config_hash(cfg: RunConfig) -> str:
     }
     if cfg.lora.enabled:  # (a full run's hash is what it was before LoRA existed)
         key["lora"] = dataclasses.asdict(cfg.lora.with_(adapter=None))
+    if cfg.vision.enabled:  # the architecture; what is frozen may change on a resume
+        key["vision"] = dataclasses.asdict(cfg.vision.with_(freeze=[]))
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 

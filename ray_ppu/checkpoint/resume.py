@@ -11,6 +11,7 @@ No torch at import: the driver calls all of these before any worker exists.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -134,9 +135,23 @@ def _check_model(start: ResumePoint, cfg: RunConfig) -> None:
     if width and width != cfg.model.effective_kv_channels:
         wrong.append(f"model.kv_channels: checkpoint {width}, this run "
                      f"{cfg.model.effective_kv_channels}")
+    wrong += _vision_differences(start.meta.vision, cfg)
     if wrong:
         raise ConfigError(f"{start.path} holds another model than this run's: "
                           + "; ".join(wrong))
+
+
+def _vision_differences(saved: Optional[dict], cfg: RunConfig) -> list[str]:
+    """How the checkpoint's vision section (None: a text model) differs from the run's, in
+    what shapes the weights; what is frozen may change (stage 1 → stage 2)."""
+    ours = dataclasses.asdict(cfg.vision)
+    if saved is None and not ours["encoder"]:
+        return []
+    if saved is None or not ours["encoder"]:
+        return [f"vision.encoder: checkpoint {saved and saved['encoder']!r} (None: a text "
+                f"model), this run {ours['encoder']!r}"]
+    return [f"vision.{k}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
+            for k in sorted(ours) if k != "freeze" and k in saved and saved[k] != ours[k]]
 
 
 def origin(cfg: RunConfig, resume: Optional[ResumePoint]) -> dict:

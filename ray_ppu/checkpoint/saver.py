@@ -245,6 +245,7 @@ class Saver:
             model=dataclasses.asdict(self.cfg.model),
             lora=dataclasses.asdict(self.cfg.lora) if self.cfg.lora.enabled and not weights_only
             else None,
+            vision=dataclasses.asdict(self.cfg.vision) if self.cfg.vision.enabled else None,
             **self.origin,
         )
         error = None

@@ -15,10 +15,14 @@ from typing import Optional
 from ray_ppu.config.schema import ModelConfig
 from ray_ppu.config.vision import ACTIVATIONS, VisionConfig
 from ray_ppu.errors import ConfigError
+from ray_ppu.hf import config as hf_config
 from ray_ppu.hf.config import model_from_hf
 
 VISION_TYPES = {"siglip_vision_model": "siglip", "siglip": "siglip",
                 "clip_vision_model": "clip", "clip": "clip"}
+_HF_ACTIVATIONS = {ours: theirs for theirs, ours in ACTIVATIONS.items()}
+
+
 def is_llava(hf: dict) -> bool:
     """Whether a config.json is a LLaVA model's."""
     return hf.get("model_type") == "llava"
@@ -82,3 +86,49 @@ def directory_vision(pretrained: str, vision_tower: Optional[str] = None) -> Opt
         return vision_from_hf(read(vision_tower), f"{vision_tower}/config.json")
     raw = read(pretrained)
     return llava_from_hf(raw, f"{pretrained}/config.json")[1] if is_llava(raw) else None
+
+
+def _vision_to_hf(vision: VisionConfig) -> dict:
+    """A ``vision_config`` of the layers the model runs (those after the feature layer, which
+    LLaVA never runs, are not exported) without SigLIP's pooling head."""
+    out = {"model_type": f"{vision.encoder}_vision_model", "hidden_size": vision.hidden_size,
+           "intermediate_size": vision.ffn_hidden_size, "num_hidden_layers": vision.layers_built,
+           "num_attention_heads": vision.num_attention_heads, "image_size": vision.image_size,
+           "patch_size": vision.patch_size, "layer_norm_eps": vision.norm_epsilon,
+           "hidden_act": _HF_ACTIVATIONS[vision.activation], "num_channels": 3}
+    if vision.encoder == "siglip":
+        out["vision_use_head"] = False
+    return out
+
+
+def _set_dtype(config: dict, dtype: str) -> dict:
+    return {k: dtype if k in ("torch_dtype", "dtype") else v for k, v in config.items()}
+
+
+def llava_to_hf(model: ModelConfig, vision: VisionConfig, dtype: str,
+                base: Optional[dict] = None, whole_tower: bool = False) -> dict:
+    """The ``config.json`` of an exported vision-language model. ``base``: the config.json the
+    run started from. A LLaVA one of this very model comes back as it was (its dtype set);
+    otherwise (the language model's config.json of a run from separate parts, or none) a
+    LLaVA config is made around the text config. ``whole_tower``: the export holds every
+    tensor of the base's vision tower; else the tower ends at the feature layer."""
+    base = dict(base or {})
+    text_base = base or None
+    if is_llava(base):
+        text_base = dict(base["text_config"])
+        text_base.setdefault("tie_word_embeddings", base.get("tie_word_embeddings", False))
+    text = hf_config.to_hf(model, dtype, text_base)  # checks the language model's shape
+    same = is_llava(base) and llava_from_hf(base, "the source config.json")[1].with_(
+        freeze=vision.freeze) == vision
+    if same and whole_tower:
+        return {**_set_dtype(base, dtype), "text_config": _set_dtype(base["text_config"], dtype)}
+    tied = not model.untie_embeddings_and_output_weights
+    return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+            "text_config": {**text, "tie_word_embeddings": tied},
+            "vision_config": _vision_to_hf(vision), "image_token_id": vision.image_token_id,
+            # the exported tower ends at the feature layer (:func:`_vision_to_hf`)
+            "vision_feature_layer": -1 if vision.feature_layer < 0 else vision.feature_layer,
+            "vision_feature_select_strategy": vision.feature_select,
+            "projector_hidden_act": _HF_ACTIVATIONS[vision.projector_activation],
+            "multimodal_projector_bias": vision.projector_bias,
+            "tie_word_embeddings": tied, "dtype": dtype}

@@ -1,11 +1,12 @@
 """Where each tensor of a vision-language model lives in Hugging Face checkpoints, and
 loading it at any TP / PP.
 
-A LLaVA directory's tensors come in two spellings: transformers 5 saves
-``model.vision_tower.…``, ``model.multi_modal_projector.…``, ``model.language_model.…`` and
-``lm_head.weight``; transformers 4 (most published LLaVA checkpoints) ``vision_tower.…``,
-``multi_modal_projector.…``, ``language_model.model.…`` and ``language_model.lm_head.weight``.
-Both are read (:class:`Names`); exports write the first. A run may also start from separate
+A LLaVA directory's tensors come in two spellings: the model's own module names
+(``model.vision_tower.…``, ``model.multi_modal_projector.…``, ``model.language_model.…``,
+``lm_head.weight``), and the checkpoint spelling ``save_pretrained`` writes (transformers 4 and
+5.25 alike, and most published LLaVA checkpoints): ``vision_tower.…``,
+``multi_modal_projector.…``, ``language_model.model.…``, ``language_model.lm_head.weight``.
+Both are read (:class:`Names`); exports write the second. A run may also start from separate
 parts (LLaVA / Bunny stage 1, :class:`Parts`): a vision tower directory (a SigLIP or CLIP
 checkpoint, vision-only or with its text tower: tensors under ``vision_model.``), a language
 model directory, and a fresh projector.
@@ -31,7 +32,7 @@ import torch
 from ray_ppu.config.schema import ModelConfig
 from ray_ppu.config.vision import VisionConfig
 from ray_ppu.hf.files import Checkpoint
-from ray_ppu.hf.weights import Piece, fill_pieces, hf_shapes, load_into, pieces
+from ray_ppu.hf.weights import Piece, cut, fill_pieces, hf_shapes, load_into, pieces
 
 _LAYER = "decoder.layers."
 # ViT Megatron key (after ``vision_model.``) → HF name under the tower's ``encoder.layers.N.``
@@ -56,7 +57,7 @@ _PROJECTOR_NAMES = {"encoder.linear_fc1.weight": "linear_1.weight",
                     "encoder.linear_fc1.bias": "linear_1.bias",
                     "encoder.linear_fc2.weight": "linear_2.weight",
                     "encoder.linear_fc2.bias": "linear_2.bias"}
-
+VISION, PROJECTOR, LANGUAGE = "vision_model.", "vision_projection.", "language_model."
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,25 @@ class Names:
                      prefix("embeddings.patch_embedding.weight", "model.vision_tower."),
                      prefix("multi_modal_projector.linear_1.weight", "model.") +
                      "multi_modal_projector.")
+
+
+# what save_pretrained writes (transformers 5.x and 4.x alike), which exports write
+EXPORT_NAMES = Names(("language_model.model.", "language_model.lm_head.weight"), "vision_tower.",
+                     "multi_modal_projector.")
+
+
+def image_to_hf(model: ModelConfig, vision: VisionConfig, key: str, layer: Optional[int],
+                tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A whole stored ViT or projector tensor (``key`` with its ``vision_model.`` /
+    ``vision_projection.`` prefix; one layer's slab for layer keys) as Hugging Face tensors
+    under :data:`EXPORT_NAMES`."""
+    if key.startswith(PROJECTOR):
+        key = key[len(PROJECTOR):]
+        return cut(key, tensor, projector_pieces(model, key, EXPORT_NAMES.projector))
+    key = key[len(VISION):]
+    if key == "class_token":  # [1, 1, h] → [h]
+        return [(vision_pieces(vision, key, None, EXPORT_NAMES.vision)[0].name, tensor.view(-1))]
+    return cut(key, tensor, vision_pieces(vision, key, layer, EXPORT_NAMES.vision))
 
 
 def vision_pieces(vision: VisionConfig, key: str, layer: Optional[int],
@@ -212,21 +232,21 @@ def load_pretrained(chunks: list, parts: Parts, model: ModelConfig, vision: Visi
         renamed = _Renamed(text_ckpt, parts.names)
 
         def fill(key, layer, offset, out, expert):
-            if key.startswith("language_model."):
-                key = key[len("language_model."):]
+            if key.startswith(LANGUAGE):
+                key = key[len(LANGUAGE):]
                 fill_pieces(renamed, key, pieces(model, padded_vocab, key, layer, expert),
                             offset, out)
-            elif key.startswith("vision_projection."):
+            elif key.startswith(PROJECTOR):
                 if not parts.projector:
                     return False
-                key = key[len("vision_projection."):]
+                key = key[len(PROJECTOR):]
                 fill_pieces(image_ckpt, key, projector_pieces(model, key, parts.names.projector),
                             offset, out)
-            elif key == "vision_model.class_token":  # [1, 1, h] ← [h]
+            elif key == VISION + "class_token":  # [1, 1, h] ← [h]
                 image_ckpt.read_into(vision_pieces(vision, "class_token", None,
                                                    parts.names.vision)[0].name, out.view(-1))
             else:
-                key = key[len("vision_model."):]
+                key = key[len(VISION):]
                 fill_pieces(image_ckpt, key, vision_pieces(vision, key, layer,
                                                            parts.names.vision), offset, out)
             return True
@@ -234,3 +254,25 @@ def load_pretrained(chunks: list, parts: Parts, model: ModelConfig, vision: Visi
         took = load_into(chunks, text_ckpt, model, padded_vocab, fill=fill)
         took["bytes_read"] += image_ckpt.bytes_read if parts.vision != parts.language else 0
         return took
+
+
+def copy_unused_tower(source: Optional[Path], vision: VisionConfig, written: set,
+                      add) -> bool:
+    """``add(name, tensor)`` each vision tower tensor of the LLaVA directory ``source`` that an
+    export did not write (``written``): the ones LLaVA never runs. Only when ``source`` is a
+    LLaVA directory of this very tower; returns whether it was."""
+    from ray_ppu.hf.config import read
+    from ray_ppu.hf.llava import is_llava, llava_from_hf
+
+    if source is None or not (source / "config.json").is_file():
+        return False
+    raw = read(source)
+    if not is_llava(raw) or llava_from_hf(raw, str(source))[1].with_(freeze=vision.freeze) != vision:
+        return False
+    with Checkpoint(source) as ckpt:
+        prefix = Names.of(ckpt.files).vision
+        for name in sorted(ckpt.files):
+            ours = EXPORT_NAMES.vision + name[len(prefix):]
+            if name.startswith(prefix) and ours not in written:
+                add(ours, ckpt.read(name))
+    return True

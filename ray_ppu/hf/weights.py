@@ -209,9 +209,15 @@ def to_hf(model: ModelConfig, padded_vocab: int, key: str, layer: Optional[int],
     output layer is not exported: HF ties it to ``embed_tokens``)."""
     if key == OUTPUT and not model.untie_embeddings_and_output_weights:
         return []
+    return cut(key, tensor, pieces(model, padded_vocab, key, layer, expert))
+
+
+def cut(key: str, tensor: torch.Tensor, hf_pieces: list[Piece]) -> list[tuple[str, torch.Tensor]]:
+    """Megatron tensor ``key`` cut into the Hugging Face tensors its rows are (``hf_pieces``
+    in row order; padding rows dropped)."""
     grouped: dict[str, list[tuple[int, torch.Tensor]]] = {}
     at = 0
-    for piece in pieces(model, padded_vocab, key, layer, expert):
+    for piece in hf_pieces:
         if piece.name is not None:
             grouped.setdefault(piece.name, []).append((piece.start, tensor[at:at + piece.rows]))
         at += piece.rows

@@ -45,7 +45,8 @@ def conversion_plan(hf_dir: str | Path, world_size: int, tp: int = 1, pp: int = 
     dtype = source.hf_config.get("torch_dtype") or source.hf_config.get("dtype") or "float32"
     precision = precision or PRECISION.get(dtype, "fp32")
     cfg, plan = inference_config(source.model, world_size, tp, pp, precision=precision,
-                                 device=backend, ep=ep, etp=1 if ep > 1 else None)
+                                 device=backend, ep=ep, etp=1 if ep > 1 else None,
+                                 vision=source.vision)
     return source, precision, cfg, plan
 
 
@@ -60,15 +61,14 @@ def to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
     4. A weights-only checkpoint ``<out>/iter_0000000`` (meta: model config, source
        config.json and directory, so an export restores them).
     """
-    from ray_ppu.hf.weights import load_pretrained
-    from ray_ppu.offline.inference import built_model
+    from ray_ppu.offline.inference import built_model, load_weights
 
     started = time.perf_counter()
     backend = devices.resolve(device)
     source, precision, cfg, plan = conversion_plan(hf_dir, dist.get_world_size(), tp, pp,
                                                    precision, backend, ep)
     with built_model(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0))) as chunks:
-        read = load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
+        read = load_weights(chunks, source, cfg, plan)
         saver = checkpoint.Saver(out, plan, cfg, origin={"hf_config": source.hf_config,
                                                          "hf_source": str(source.path)})
         [(path, meta, _)] = saver.save(0, chunks, None, None)

@@ -44,19 +44,21 @@ def built_model(cfg: RunConfig, plan: Plan, backend: str,
 
 
 def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
-                 adapter=None, trained: Optional[str] = None) -> None:
+                 adapter=None, trained: Optional[str] = None) -> dict:
     """Fill the model chunks from ``source`` (each rank reads its own part), and their LoRA
     adapters from a PEFT ``adapter`` (:func:`ray_ppu.hf.peft.read_adapter`) or from the LoRA
-    checkpoint ``trained`` if given (after the base: a LoRA run may have trained base parts)."""
+    checkpoint ``trained`` if given (after the base: a LoRA run may have trained base parts).
+    Returns a Hugging Face source's read summary (``bytes_read``; empty for a checkpoint)."""
+    read = {}
     if source.kind == "hf" and cfg.vision.enabled:
         from ray_ppu.hf import llava_weights
 
-        llava_weights.load_pretrained(chunks, llava_weights.Parts.of(str(source.path)),
-                                      cfg.model, cfg.vision, plan.padded_vocab_size)
+        read = llava_weights.load_pretrained(chunks, llava_weights.Parts.of(str(source.path)),
+                                             cfg.model, cfg.vision, plan.padded_vocab_size)
     elif source.kind == "hf":
         from ray_ppu.hf.weights import load_pretrained
 
-        load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
+        read = load_pretrained(chunks, str(source.path), cfg.model, plan.padded_vocab_size)
     else:
         resume = checkpoint.ResumePoint(str(source.path), source.meta, weights_only=True)
         checkpoint.load(resume, chunks, None, None, plan, cfg)
@@ -66,6 +68,7 @@ def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
         load_into(chunks, adapter, cfg.model, cfg.lora)
     if trained is not None:
         checkpoint.load_trained(trained, chunks)
+    return read
 
 
 @torch.no_grad()

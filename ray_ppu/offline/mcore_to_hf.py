@@ -19,7 +19,7 @@ import torch
 
 from ray_ppu.errors import ConfigError
 from ray_ppu.hf import config as hf_config
-from ray_ppu.hf import weights
+from ray_ppu.hf import llava, llava_weights, weights
 from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, ShardedWriter
 
 # What a Hugging Face model directory carries besides weights and config.json.
@@ -27,6 +27,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
                    "chat_template.jinja", "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
+PROCESSOR_FILE = "preprocessor_config.json"  # a vision-language model's image processor
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -91,7 +92,7 @@ def read_regions(reader, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]
 def _copy_side_files(sources: list[Path], out: Path) -> list[str]:
     """Tokenizer files and generation config from the first source directory holding each."""
     copied = []
-    for name in (*TOKENIZER_FILES, GENERATION_CONFIG):
+    for name in (*TOKENIZER_FILES, GENERATION_CONFIG, PROCESSOR_FILE):
         for source in sources:
             if (source / name).is_file():
                 shutil.copyfile(source / name, out / name)
@@ -111,6 +112,7 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
        model needs must be there.
     2. Layer by layer, then embedding, final norm and output layer: read the slab, cut it into
        Hugging Face tensors (cast to ``dtype``, default the stored one), stream into shards.
+       A vision-language model's ViT and projector follow (a ``LlavaForConditionalGeneration``).
     3. config.json (the source model's own, when the run started from one), generation config
        and tokenizer files (from ``tokenizer``, else the source Hugging Face directory).
     """
@@ -120,65 +122,135 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     source = open_source(checkpoint_path)
     if source.kind != "mcore":
         raise ConfigError(f"{checkpoint_path} is already a Hugging Face directory")
-    model, path = source.model, source.path
+    model, path, vision = source.model, source.path, source.vision
     out = Path(out).expanduser().resolve()
     if any(out.glob("*.safetensors")) or (out / INDEX_FILE).exists():
         raise ConfigError(f"{out} already holds safetensors weights: export into an empty or new "
                           f"directory (stale shards would be loaded with the new ones)")
     reader = _reader(path)
     stored = stored_tensors(reader)
-    expected = weights.layer_keys(model) + weights.expert_keys(model) + weights.global_keys(model)
-    missing = [k for k in expected if k not in stored]
-    if missing:
-        family = ("Qwen3-MoE" if model.is_moe else "Qwen3" if model.qk_layernorm
-                  else "Qwen2" if model.add_qkv_bias else "LLaMA")
-        raise ConfigError(f"{path}: the checkpoint lacks {', '.join(missing)} (not a "
-                          f"{family} model of this shape?)")
-    if stored[weights.QKV][0][0] != model.num_layers:
-        raise ConfigError(f"{path}: {stored[weights.QKV][0][0]} layers stored, its model config "
-                          f"says {model.num_layers}")
-    padded_vocab = stored[weights.EMBEDDING][0][0]
-    out_dtype = DTYPES[dtype] if dtype else stored[weights.QKV][1]
+    prefix = llava_weights.LANGUAGE if vision.enabled else ""
+    _check_stored(stored, model, prefix, path)
+    padded_vocab = stored[prefix + weights.EMBEDDING][0][0]
+    out_dtype = DTYPES[dtype] if dtype else stored[prefix + weights.QKV][1]
     out.mkdir(parents=True, exist_ok=True)
     writer = ShardedWriter(out, max_shard_bytes)
+    rename = llava_weights.EXPORT_NAMES.text if vision.enabled else (lambda name: name)
 
     def emit(key: str, layer: Optional[int], tensor: torch.Tensor,
              expert: Optional[int] = None) -> None:
         if adjust is not None:
             tensor = adjust(key, layer, tensor, expert)
         for name, part in weights.to_hf(model, padded_vocab, key, layer, tensor, expert):
-            writer.add(name, part.to(out_dtype))
+            writer.add(rename(name), part.to(out_dtype))
 
-    layers = stored[weights.QKV][0][0]
-    per_layer = weights.layer_keys(model) + weights.expert_keys(model)
-    for layer in range(layers):
-        # one layer's slab of each key (a MoE layer's: all its experts, in expert order)
-        regions = {key: ((layer,) + (0,) * (len(stored[key][0]) - 1),
-                         torch.empty((1, *stored[key][0][1:]), dtype=stored[key][1]))
-                   for key in per_layer}
-        read_regions(reader, regions)
-        for key, (_, tensor) in regions.items():
-            if key in weights.expert_keys(model):
-                for expert, part in enumerate(tensor[0]):
-                    emit(key, layer, part, expert)
-            else:
-                emit(key, layer, tensor[0])
-    regions = {key: ((0,) * len(stored[key][0]), torch.empty(stored[key][0], dtype=stored[key][1]))
-               for key in weights.global_keys(model)}
-    read_regions(reader, regions)
-    for key, (_, tensor) in regions.items():
-        emit(key, None, tensor)
+    _export_language(reader, stored, model, prefix, emit)
+    whole_tower = False
+    if vision.enabled:
+        whole_tower = _export_image_parts(reader, stored, model, vision, source.hf_dir,
+                                          lambda name, t: writer.add(name, t.to(out_dtype)))
     files = writer.close()
 
-    meta = source.meta
-    config = hf_config.to_hf(model, hf_dtype_name(out_dtype), meta.hf_config)
+    base = source.meta.hf_config
+    if vision.enabled:
+        config = llava.llava_to_hf(model, vision, hf_dtype_name(out_dtype), base, whole_tower)
+    else:
+        config = hf_config.to_hf(model, hf_dtype_name(out_dtype), base)
     (out / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    sources = [Path(p) for p in (tokenizer, source.hf_dir) if p]
-    copied = _copy_side_files(sources, out)
-    if GENERATION_CONFIG not in copied:
-        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
-        (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+    copied = _side_files(out, [Path(p) for p in (tokenizer, source.hf_dir) if p], config,
+                         vision)
     return {"checkpoint": str(path), "out": str(out), "files": [f.name for f in files],
             "bytes": writer.total, "dtype": hf_dtype_name(out_dtype), "copied": copied,
             "tokenizer": any(name in copied for name in TOKENIZER_FILES),
             "seconds": time.perf_counter() - started}
+
+
+def _check_stored(stored: dict, model, prefix: str, path: Path) -> None:
+    """Every tensor the model needs is stored (under ``prefix``: a vision-language model's
+    language model), with the model config's layer count."""
+    expected = weights.layer_keys(model) + weights.expert_keys(model) + weights.global_keys(model)
+    missing = [prefix + k for k in expected if prefix + k not in stored]
+    if missing:
+        family = ("Qwen3-MoE" if model.is_moe else "Qwen3" if model.qk_layernorm
+                  else "Qwen2" if model.add_qkv_bias else "LLaMA")
+        raise ConfigError(f"{path}: the checkpoint lacks {', '.join(missing)} (not a "
+                          f"{family} model of this shape?)")
+    layers = stored[prefix + weights.QKV][0][0]
+    if layers != model.num_layers:
+        raise ConfigError(f"{path}: {layers} layers stored, its model config says "
+                          f"{model.num_layers}")
+
+
+def _layer_slabs(reader, stored: dict, keys: list[str], layer: int) -> dict[str, torch.Tensor]:
+    """One layer's slab of each stored per-layer key (a MoE layer's: all its experts)."""
+    regions = {key: ((layer,) + (0,) * (len(stored[key][0]) - 1),
+                     torch.empty((1, *stored[key][0][1:]), dtype=stored[key][1]))
+               for key in keys}
+    read_regions(reader, regions)
+    return {key: tensor[0] for key, (_, tensor) in regions.items()}
+
+
+def _whole(reader, stored: dict, keys: list[str]) -> dict[str, torch.Tensor]:
+    regions = {key: ((0,) * len(stored[key][0]), torch.empty(stored[key][0], dtype=stored[key][1]))
+               for key in keys}
+    read_regions(reader, regions)
+    return {key: tensor for key, (_, tensor) in regions.items()}
+
+
+def _export_language(reader, stored: dict, model, prefix: str, emit: Callable) -> None:
+    """The language model, layer by layer, then the embedding, final norm and output layer;
+    ``emit`` takes the keys without ``prefix``."""
+    experts = weights.expert_keys(model)
+    per_layer = weights.layer_keys(model) + experts
+    for layer in range(model.num_layers):
+        slabs = _layer_slabs(reader, stored, [prefix + k for k in per_layer], layer)
+        for key in per_layer:
+            if key in experts:
+                for expert, part in enumerate(slabs[prefix + key]):
+                    emit(key, layer, part, expert)
+            else:
+                emit(key, layer, slabs[prefix + key])
+    tensors = _whole(reader, stored, [prefix + k for k in weights.global_keys(model)])
+    for key in weights.global_keys(model):
+        emit(key, None, tensors[prefix + key])
+
+
+def _export_image_parts(reader, stored: dict, model, vision, source_dir: Optional[Path],
+                        add: Callable) -> bool:
+    """The ViT (layer by layer) and the projector; then, from the LLaVA directory the run
+    started from, the tower's tensors LLaVA never runs (SigLIP's head, the post-norm, layers
+    after the feature layer), so that the whole tower goes back. Returns whether it did."""
+    layer_prefix = llava_weights.VISION + "decoder.layers."
+    per_layer = sorted(k for k in stored if k.startswith(layer_prefix))
+    written = set()
+    for layer in range(vision.layers_built):
+        for key, slab in _layer_slabs(reader, stored, per_layer, layer).items():
+            for name, part in llava_weights.image_to_hf(model, vision, key, layer, slab):
+                add(name, part)
+                written.add(name)
+    others = sorted(k for k in stored if k.startswith((llava_weights.VISION,
+                                                       llava_weights.PROJECTOR))
+                    and not k.startswith(layer_prefix))
+    for key, tensor in _whole(reader, stored, others).items():
+        for name, part in llava_weights.image_to_hf(model, vision, key, None, tensor):
+            add(name, part)
+            written.add(name)
+    return llava_weights.copy_unused_tower(source_dir, vision, written, add)
+
+
+def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[str]:
+    """Tokenizer files, generation config and a vision-language model's image processor
+    config: copied from the first source holding each, else written from the config."""
+    copied = _copy_side_files(sources, out)
+    if GENERATION_CONFIG not in copied:
+        text = config.get("text_config", config)
+        generation = {k: text[k] for k in ("bos_token_id", "eos_token_id") if k in text}
+        (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+    if vision.enabled and PROCESSOR_FILE not in copied:
+        from ray_ppu.data.images import ImageSpec
+
+        family = ImageSpec.siglip if vision.encoder == "siglip" else ImageSpec.clip
+        (out / PROCESSOR_FILE).write_text(
+            json.dumps(family(vision.image_size).to_hf(), indent=2) + "\n")
+        copied.append(PROCESSOR_FILE)
+    return copied

@@ -93,7 +93,7 @@ def open_source(path: str | Path) -> Source:
                           f"ray_ppu): load it in a run (checkpoint.load) and save it again")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     model = ModelConfig(**{k: v for k, v in meta.model.items() if k in known})
-    vision = VisionConfig(**meta.vision) if getattr(meta, "vision", None) else VisionConfig()
+    vision = VisionConfig(**meta.vision) if meta.vision else VisionConfig()
     return Source(path, "mcore", model, meta, vision=vision)
 
 
