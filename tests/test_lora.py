@@ -499,7 +499,7 @@ def _train_frozen(jobs: dict, out: Path) -> None:
     from ray_ppu.model.optim import build_optimizer
     from ray_ppu.offline import inference
     from ray_ppu.plan import build_plan
-    from ray_ppu.train.loop import TrainState, _Window, _wire_gradient_sync, train_step
+    from ray_ppu.train.loop import TrainState, _Window, wire_gradient_sync, train_step
     from ray_ppu.train.schedule import make_schedule
     from ray_ppu.util.wrappers import unwrap
 
@@ -528,7 +528,7 @@ def _train_frozen(jobs: dict, out: Path) -> None:
             named = dict(unwrap(model[0]).named_parameters())
             before = {n: p.detach().clone() for n, p in named.items()}
             state = TrainState(plan, model, optimizer, scheduler, torch.device("cpu"))
-            _wire_gradient_sync(model, optimizer)
+            wire_gradient_sync(model, optimizer)
             schedule = make_schedule(plan, model, torch.device("cpu"))
             window = _Window(start=0.0)
             for _ in range(3):

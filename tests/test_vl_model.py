@@ -27,6 +27,8 @@ from ray_ppu.config.loader import ConfigError
 from ray_ppu.util.net import free_port
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
+# Bunny's stages: 1 trains the projector, 2 the projector and the language model
+STAGES = {"stage1": ["vision", "language"], "stage2": ["vision"]}
 KINDS = ("siglip_qwen2", "clip_llama")
 TEXT = dict(vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -142,6 +144,26 @@ def test_round_trip_is_bit_exact(llava_dirs, launched, tmp_path, kind):
     assert "preprocessor_config.json" in summary["copied"]
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_training_at_tp2_and_pp2_gives_tp1s_losses(launched, stage):
+    """Three optimizer steps of SigLIP + Qwen2 from its LLaVA directory at TP 1 (DP 2), TP 2
+    and PP 2: the same losses; on every rank the frozen parameters are bit-identical after
+    training and every trainable one moved. At PP 2 stage 1 the second pipeline stage holds
+    no trainable parameter at all (the projector is on the first)."""
+    results = {(tp, pp): json.loads((launched / f"train_{stage}_tp{tp}_pp{pp}.json").read_text())
+               for tp, pp in LAYOUTS}
+    reference = results[(1, 1)]["losses"]
+    assert reference[-1] < reference[0]  # it learns
+    for layout, result in results.items():
+        assert result["losses"] == pytest.approx(reference, rel=1e-5, abs=1e-6), layout
+        for rank, (kept, moved, trainable) in enumerate(result["ranks"]):
+            assert kept and moved, (layout, rank)
+            if stage == "stage1" and layout == (1, 2) and rank == 1:
+                assert trainable == 0  # the last stage: nothing trains there
+            else:
+                assert trainable > 0, (layout, rank)
+
+
 def test_llava_config_json_gives_the_vision_section(llava_dirs):
     from ray_ppu.hf import config as hf_config
     from ray_ppu.hf.llava import llava_from_hf
@@ -222,6 +244,88 @@ def _run_layouts(jobs: dict) -> None:
                 if dist.get_rank() == 0:
                     torch.save(logits, out / f"{kind}_tp{tp}_pp{pp}.pt")
             to_mcore(directory, out / f"mcore_{kind}", tp=2)  # for the export test
+        for stage, frozen in STAGES.items():
+            for tp, pp in jobs["layouts"]:
+                result = _train(jobs["models"]["siglip_qwen2"], frozen, tp, pp)
+                if dist.get_rank() == 0:
+                    (out / f"train_{stage}_tp{tp}_pp{pp}.json").write_text(json.dumps(result))
+
+
+def _rows(count: int, seq: int = 48, seed: int = 0) -> list[dict]:
+    """``count`` one-row microbatches of random tokens around one image (16 tokens of id
+    999) with random pixels; the loss on the tokens after the image."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        tokens = rng.integers(0, 990, seq + 1)
+        tokens[3:19] = 999
+        mask = np.zeros(seq, dtype=np.float32)
+        mask[19:] = 1.0
+        rows.append({"tokens": tokens[None, :-1], "labels": tokens[None, 1:],
+                     "loss_mask": mask[None], "position_ids": np.arange(seq)[None],
+                     "images": rng.integers(0, 256, (1, 1, 3, 36, 36), dtype=np.uint8),
+                     "num_images": np.ones(1, dtype=np.int64)})
+    return rows
+
+
+def _train(directory: str, frozen: list, tp: int, pp: int, steps: int = 3) -> dict:
+    """``steps`` optimizer steps of the LLaVA model in ``directory`` at TP × PP (DP: the rest),
+    global batch 4 in one-row microbatches (each DP rank its share); the losses, and on every
+    rank whether the frozen parameters kept their values and the others moved."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from ray_ppu import devices
+    from ray_ppu.config.loader import load
+    from ray_ppu.data.sampler import rank_sample_ids
+    from ray_ppu.data.sft.image_samples import vision_data
+    from ray_ppu.hf import pretrained
+    from ray_ppu.model import parallel
+    from ray_ppu.model.gpt import build_model
+    from ray_ppu.model.optim import build_optimizer
+    from ray_ppu.plan import build_plan
+    from ray_ppu.train.loop import wire_gradient_sync
+    from ray_ppu.train.schedule import make_schedule, mean_loss, sum_reports
+
+    cfg = load(None, [f"checkpoint.pretrained={directory}", "cluster.device=cpu",
+                      "cluster.num_workers=2", f"parallel.tensor_model_parallel_size={tp}",
+                      f"parallel.pipeline_model_parallel_size={pp}", "training.precision=fp32",
+                      "training.seq_length=48", "training.micro_batch_size=1",
+                      "training.global_batch_size=4", f"training.train_iters={steps}",
+                      "training.lr=1e-2", "training.lr_warmup_iters=0", "training.eval_iters=0",
+                      "data.dataset=sft", "data.data_path=[unused.jsonl]",
+                      f"vision.freeze=[{', '.join(frozen)}]"])
+    plan = build_plan(cfg)
+    rows, device = _rows(4), torch.device("cpu")  # the same global batch each step
+    with devices.bound("cpu", 0), parallel.groups(plan, cfg.training.seed):
+        from megatron.core import parallel_state as ps
+
+        model, _ = build_model(cfg, plan, "cpu")
+        pretrained.load(model, cfg, plan.padded_vocab_size)
+        optimizer, _ = build_optimizer(cfg, plan, model)
+        wire_gradient_sync(model, optimizer)  # as train() does: DP reduction after the last
+        before = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+        schedule = make_schedule(plan, model, device, images=vision_data(cfg).spec)
+        ids = rank_sample_ids(np.arange(steps), ps.get_data_parallel_rank(),
+                              plan.data_parallel_size, 4, 1)
+        batches = iter([rows[i % 4] for i in ids])
+        losses = []
+        for _ in range(steps):
+            model[0].zero_grad_buffer()
+            optimizer.zero_grad()
+            total = sum_reports(schedule(batches, forward_only=False), None)
+            assert optimizer.step()[0]
+            losses.append(mean_loss(total, device))
+        kept = [torch.equal(p, before[n]) for n, p in model[0].named_parameters()
+                if not p.requires_grad]
+        moved = [not torch.equal(p, before[n]) for n, p in model[0].named_parameters()
+                 if p.requires_grad]
+        ok = torch.tensor([all(kept), all(moved), len(moved)], dtype=torch.int64)
+        everyone = [torch.zeros_like(ok) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, ok)
+    return {"losses": losses, "ranks": [t.tolist() for t in everyone]}
 
 
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed

@@ -106,7 +106,7 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
     (``model.packed_format``); ``"mask"`` when the plan packs and it is not given.
     """
     plan = state.plan
-    _wire_gradient_sync(state.model, state.optimizer)
+    wire_gradient_sync(state.model, state.optimizer)
     if plan.packed_sequences and packed is None:
         packed = "mask"
     schedule = make_schedule(plan, state.model, state.device, packed, state.images)
@@ -168,7 +168,7 @@ def train_step(state: TrainState, schedule, batches, window: "_Window") -> None:
     window.iterations += 1
 
 
-def _wire_gradient_sync(model: list, optimizer) -> None:
+def wire_gradient_sync(model: list, optimizer) -> None:
     """Megatron's schedules find loss scaling and gradient reduction on the model config."""
     config = get_attr_wrapped_model(model[0], "config")
     config.grad_scale_func = optimizer.scale_loss
