@@ -65,6 +65,34 @@ def qwen2_tokenizer_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory, qwen2_tokenizer_dir):
+    """tiny-vl as a Hugging Face LLaVA directory (SigLIP + Qwen2 with the real vocabulary,
+    random weights), with its tokenizer and image processor beside it."""
+    import shutil
+
+    import torch
+    from transformers import (LlavaConfig, LlavaForConditionalGeneration, Qwen2Config,
+                              SiglipImageProcessor, SiglipVisionConfig)
+
+    path = tmp_path_factory.mktemp("tiny_llava") / "tiny-llava"
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=2, image_size=32, patch_size=8)
+    text = Qwen2Config(vocab_size=151_936, hidden_size=64, intermediate_size=176,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=32_768, rms_norm_eps=1e-6, rope_theta=1e6,
+                       tie_word_embeddings=True)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=151_655,
+                         vision_feature_layer=-1, vision_feature_select_strategy="full",
+                         tie_word_embeddings=True)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(qwen2_tokenizer_dir) / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
 def uninterrupted(ray_cluster, corpus, tmp_path_factory):
     """The checkpoint and fault tests' reference run (DP 2, saving every 4, nothing going
     wrong), which the training tests also compare with DP 1: one run for all of them."""

@@ -196,3 +196,7 @@ def test_vision_plan_problems_are_named_together():
                  "vision.encoder with CP 2", "vision.image_token_id=10000000 is outside",
                  "vision.encoder trains on image-text records: set data.dataset=sft"]:
         assert line in text, (line, text)
+    cfg = load(None, ["model.preset=tiny-vl", "data.dataset=sft", "vision.freeze=[vision, language]",
+                      "parallel.pipeline_model_parallel_size=2", "cluster.num_workers=2"])
+    with pytest.raises(ConfigError, match=r"with PP 2: pipeline stages 2…2 hold only the frozen"):
+        build_plan(cfg)

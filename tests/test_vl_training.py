@@ -11,8 +11,6 @@ tests/test_vl_run.py.
 from __future__ import annotations
 
 import itertools
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,31 +27,6 @@ from ray_ppu.plan import build_plan
 COMPONENTS = ("vision", "projector", "language")
 COMBINATIONS = [(frozen, lora) for n in range(4) for frozen in itertools.combinations(COMPONENTS, n)
                 for lora in (False, True) if lora or len(frozen) < 3]  # all frozen, no LoRA: refused
-
-
-@pytest.fixture(scope="module")
-def tiny_llava(tmp_path_factory, qwen2_tokenizer_dir):
-    """tiny-vl as a Hugging Face LLaVA directory (SigLIP + Qwen2 with the real vocabulary,
-    random weights), with its tokenizer and image processor beside it."""
-    from transformers import (LlavaConfig, LlavaForConditionalGeneration, Qwen2Config,
-                              SiglipImageProcessor, SiglipVisionConfig)
-
-    path = tmp_path_factory.mktemp("tiny_llava") / "tiny-llava"
-    torch.manual_seed(0)
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=2, image_size=32, patch_size=8)
-    text = Qwen2Config(vocab_size=151_936, hidden_size=64, intermediate_size=176,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=32_768, rms_norm_eps=1e-6, rope_theta=1e6,
-                       tie_word_embeddings=True)
-    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=151_655,
-                         vision_feature_layer=-1, vision_feature_select_strategy="full",
-                         tie_word_embeddings=True)
-    LlavaForConditionalGeneration(config).save_pretrained(path)
-    SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(Path(qwen2_tokenizer_dir) / name, path / name)
-    return path
 
 
 def _config(tmp_path, tokenizer_dir, frozen, lora, pretrained):
@@ -99,13 +72,13 @@ def _kind(name: str) -> str:
 @pytest.mark.parametrize("frozen,lora", COMBINATIONS,
                          ids=[f"freeze={'+'.join(f) or 'none'}-lora={l}" for f, l in COMBINATIONS])
 def test_one_step_moves_exactly_the_named_parts(world_of_one, rows, tmp_path, qwen2_tokenizer_dir,
-                                                tiny_llava, frozen, lora):
+                                                tiny_llava_dir, frozen, lora):
     from ray_ppu.model.gpt import build_model
     from ray_ppu.model.optim import build_optimizer
     from ray_ppu.train.schedule import make_schedule
     from ray_ppu.data.sft.image_samples import vision_data
 
-    cfg = _config(tmp_path, qwen2_tokenizer_dir, frozen, lora, tiny_llava)
+    cfg = _config(tmp_path, qwen2_tokenizer_dir, frozen, lora, tiny_llava_dir)
     plan = build_plan(cfg)
     with devices.bound("cpu", 0), parallel.groups(plan, cfg.training.seed):
         model, _ = build_model(cfg, plan, "cpu")

@@ -27,9 +27,11 @@ def of_run(cfg: RunConfig) -> Part:
 
 
 def of_model(model: list) -> Part:
-    """What a snapshot of these model chunks holds: what trains, when some of it is frozen."""
-    frozen = any(not p.requires_grad for chunk in model for p in chunk.parameters())
-    return "trainable" if frozen else "all"
+    """What a snapshot of these model chunks holds: :func:`of_run`'s part, told from the model
+    (LoRA: it carries adapters). Frozen parts of a full run (a vision-language model's tower)
+    are not read again at a restart, so its snapshots hold them too."""
+    lora = any(is_adapter_key(name) for chunk in model for name, _ in chunk.named_parameters())
+    return "trainable" if lora else "all"
 
 
 def _kept(module, part: Part) -> set[str]:

@@ -147,9 +147,12 @@ def _vision_differences(saved: Optional[dict], cfg: RunConfig) -> list[str]:
     ours = dataclasses.asdict(cfg.vision)
     if saved is None and not ours["encoder"]:
         return []
-    if saved is None or not ours["encoder"]:
-        return [f"vision.encoder: checkpoint {saved and saved['encoder']!r} (None: a text "
-                f"model), this run {ours['encoder']!r}"]
+    if saved is None:
+        return [f"vision.encoder: the checkpoint is a text model, this run {ours['encoder']!r}"]
+    if not ours["encoder"]:
+        return [f"vision.encoder: the checkpoint is a vision-language model "
+                f"({saved['encoder']!r}), this run a text model (set its vision-language "
+                f"model.preset, or the vision section)"]
     return [f"vision.{k}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
             for k in sorted(ours) if k != "freeze" and k in saved and saved[k] != ours[k]]
 

@@ -58,6 +58,14 @@ def vision_problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     if not forward_only and set(v.freeze) >= {"vision", "projector", "language"} \
             and not cfg.lora.enabled:
         found.append("vision.freeze names every component and LoRA is off: nothing would train")
+    elif not forward_only and "language" in v.freeze and not cfg.lora.enabled \
+            and p.pipeline_model_parallel_size > 1:
+        # Megatron's distributed optimizer cannot save the state of a rank that has no
+        # parameter to train (its state has no step)
+        found.append(f"vision.freeze={v.freeze} with PP {p.pipeline_model_parallel_size}: "
+                     f"pipeline stages 2…{p.pipeline_model_parallel_size} hold only the frozen "
+                     f"language model and would train nothing; use PP 1 (TP / DP for the "
+                     f"memory) or LoRA")
     return found
 
 

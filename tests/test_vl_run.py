@@ -1,0 +1,131 @@
+"""Bunny's two stages of tiny-vl under Ray Train, on the shapes corpus (ray_ppu.tools.shapes).
+
+Stage 1 starts from a Hugging Face LLaVA directory and trains the projector only, at DP 2, on
+caption records. Its checkpoint, exported to
+Hugging Face, differs from the source in the projector alone: every ViT and language tensor is
+bit-identical. Stage 2 loads that checkpoint's weights (checkpoint.load + finetune) and trains
+projector and language model on question-answer records at TP 2 with in-memory snapshots; a
+worker is SIGKILLed after iteration 5 and the group restores iteration 4 from memory: each
+iteration trained again gives the loss it gave the first time. (That TP 2 and PP 2 compute what
+TP 1 does, and every freeze × LoRA combination: tests/test_vl_model.py, test_vl_training.py.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_ppu.config.loader import load
+
+STAGE2_ITERS = 8
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    from ray_ppu.tools.shapes import write_corpus
+
+    return write_corpus(tmp_path_factory.mktemp("shapes"), train=48, valid=8, heldout=0)
+
+
+def _config(shapes, base, out, data, *extra):
+    from ray_ppu.launch.output import absolute_paths
+
+    return absolute_paths(load(None, [
+        "data.dataset=sft", f"data.data_path=[{data}]", f"data.valid_data_path=[{shapes['valid']}]",
+        f"data.image_root={shapes['image_root']}", f"data.tokenizer={base}",
+        f"output.dir={out}", "output.tensorboard=false", "cluster.device=cpu",
+        "cluster.num_workers=2", "training.precision=fp32", "training.seq_length=64",
+        "training.micro_batch_size=1", "training.global_batch_size=4", "training.lr=2e-2",
+        "training.min_lr=2e-3", "training.lr_warmup_iters=1", "training.eval_interval=4",
+        "training.eval_iters=1", *extra]))
+
+
+def _run(cfg, action=None):
+    from test_checkpoint import _launch, launch_while
+
+    from ray_ppu.launch.output import prepare_output
+    from ray_ppu.plan import build_plan
+
+    plan = build_plan(cfg)
+    prepare_output(cfg, plan)
+    final = (launch_while(cfg, plan, action) if action else _launch(cfg, plan))[0]
+    rows = [json.loads(line) for line in open(Path(cfg.output.dir) / "metrics.jsonl")]
+    return {"cfg": cfg, "plan": plan, "final": final, "rows": rows}
+
+
+@pytest.fixture(scope="module")
+def stage1(ray_cluster, shapes, tiny_llava_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vl_stage1")
+    cfg = _config(shapes, tiny_llava_dir, out, shapes["captions"],
+                  f"checkpoint.pretrained={tiny_llava_dir}", "vision.freeze=[vision, language]",
+                  "training.train_iters=4")
+    return _run(cfg)
+
+
+@pytest.fixture(scope="module")
+def stage2(stage1, shapes, tiny_llava_dir, tmp_path_factory):
+    from ray_ppu.checkpoint.layout import save_root
+
+    out = tmp_path_factory.mktemp("vl_stage2")
+    cfg = _config(shapes, tiny_llava_dir, out, shapes["train"],
+                  f"checkpoint.load={save_root(stage1['cfg'])}",
+                  "checkpoint.finetune=true", "model.preset=tiny-vl", "vision.freeze=[vision]",
+                  "parallel.tensor_model_parallel_size=2", f"training.train_iters={STAGE2_ITERS}",
+                  "checkpoint.memory_interval=4", "cluster.max_failures=1")
+    from test_checkpoint import kill_a_worker_at
+
+    killed: list = []
+    result = _run(cfg, kill_a_worker_at(out / "metrics.jsonl", 5, killed))
+    assert len(killed) == 1, killed
+    return result
+
+
+def _losses(rows: list) -> tuple[dict, dict]:
+    """{iteration: loss} as first logged, and as logged again after a restart."""
+    first, again = {}, {}
+    for r in rows:
+        if "lm_loss" in r:
+            (again if r["iteration"] in first else first)[r["iteration"]] = r["lm_loss"]
+    return first, again
+
+
+@pytest.mark.slow
+def test_stage1_trains_the_projector_alone(stage1, tiny_llava_dir, tmp_path):
+    from ray_ppu.checkpoint.layout import save_root
+    from ray_ppu.hf.files import read_all
+    from ray_ppu.offline.mcore_to_hf import export
+
+    final, rows = stage1["final"], stage1["rows"]
+    assert final["iteration"] == 4 and stage1["plan"].data_parallel_size == 2
+    data = final["data"]["train"]
+    assert data["dropped_total"] == 0 and data["records_read"] == 48
+    summary = export(save_root(stage1["cfg"]), tmp_path / "hf")  # its latest checkpoint
+    original, trained = dict(read_all(tiny_llava_dir)), dict(read_all(summary["out"]))
+    assert sorted(original) == sorted(trained)
+    moved = sorted(n for n, t in original.items() if not torch.equal(t, trained[n]))
+    assert moved and all(n.startswith("multi_modal_projector.") for n in moved), moved
+    assert len(moved) == 4  # both linears' weights and biases
+    first, _ = _losses(rows)
+    assert first[4] < first[1]
+
+
+@pytest.mark.slow
+def test_stage2_from_stage1_restores_exactly_from_memory(stage2, stage1):
+    rows = stage2["rows"]
+    restarts = [(r["iteration"], r["resumed_from"]) for r in rows if r.get("event") == "restart"]
+    assert len(restarts) == 1 and restarts[0][0] == 4 and restarts[0][1].startswith("memory:")
+    first, again = _losses(rows)
+    assert sorted(first) == list(range(1, STAGE2_ITERS + 1)) and 5 in again, again
+    for iteration, loss in again.items():
+        assert loss == pytest.approx(first[iteration], abs=1e-6), iteration
+    assert first[STAGE2_ITERS] < first[1]
+    final = stage2["final"]
+    assert (final["iteration"], final["restarts"]) == (STAGE2_ITERS, 1)
+    # its checkpoint records the vision section (what export and generation read)
+    from ray_ppu.checkpoint.layout import latest, save_root
+
+    _, meta = latest(save_root(stage2["cfg"]))
+    assert meta.vision["encoder"] == "siglip" and meta.vision["freeze"] == ["vision"]
