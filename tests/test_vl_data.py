@@ -200,3 +200,38 @@ def test_vision_plan_problems_are_named_together():
                       "parallel.pipeline_model_parallel_size=2", "cluster.num_workers=2"])
     with pytest.raises(ConfigError, match=r"with PP 2: pipeline stages 2…2 hold only the frozen"):
         build_plan(cfg)
+
+
+def test_plan_counts_each_component_and_what_trains():
+    """Bunny's stage 2 at TP 2: the dry run names each component with its count and state,
+    the memory plan keeps gradients and Adam only for what trains (the frozen ViT's half on
+    this device), and a frozen language model (stage 1) costs 4 FLOPs per multiply-add, not 6."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.plan import build_plan
+    from ray_ppu.plan.memory import memory_plan
+    from ray_ppu.plan.summary import summary_lines
+    from ray_ppu.plan.vision import component_parameters
+
+    base = ["model.preset=bunny-llama3-8b-v", "cluster.num_workers=16", "data.dataset=sft",
+            "training.seq_length=2048", "training.global_batch_size=128",
+            "parallel.tensor_model_parallel_size=2", "training.precision=bf16",
+            "data.data_path=[bunny.json]", "data.tokenizer=llama3", "training.train_iters=10",
+            "training.eval_iters=0"]
+    cfg = load(None, base)
+    plan = build_plan(cfg)
+    parts = component_parameters(cfg)
+    # 26 of so400m's 27 layers (feature layer -2) of 15 239 504 (h 1152, MLP 4304), the
+    # 14-pixel patch convolution and 729 positions
+    assert parts["vision"] == 26 * 15_239_504 + 3 * 14 * 14 * 1152 + 1152 + 729 * 1152
+    line = next(l for l in summary_lines(cfg, plan, memory_plan(cfg, plan))
+                if l.startswith("components:"))
+    assert "vision 397.7 M (frozen), projector 21.5 M (trains), language 8.03 B (trains)" in line
+    assert "729 tokens" in line
+    memory = memory_plan(cfg, plan)
+    assert memory.frozen_parameters == parts["vision"] // 2
+    stage1 = build_plan(load(None, base + ["vision.freeze=[vision, language]"]))
+    assert stage1.num_trainable_parameters == parts["projector"]
+    language = plan.flops_per_iteration - 128 * plan.flops_per_image
+    frozen = stage1.flops_per_iteration - 128 * stage1.flops_per_image
+    attention = 128 * 2048 ** 2 * plan.attention_flops_coefficient
+    assert (frozen - attention) / (language - attention) == pytest.approx(4 / 6)

@@ -110,6 +110,13 @@ def test_stage1_trains_the_projector_alone(stage1, tiny_llava_dir, tmp_path):
     assert len(moved) == 4  # both linears' weights and biases
     first, _ = _losses(rows)
     assert first[4] < first[1]
+    # the FLOPs behind the logged TFLOPS count the images the batches held: one per row here
+    # (a caption sample of ~40 tokens with its 16 image tokens: two do not fit in 64)
+    plan = stage1["plan"]
+    row = next(r for r in rows if r.get("iteration") == 4 and "lm_loss" in r)
+    assert row["images_per_iteration"] == 4
+    achieved = row["tflops_per_device"] * 1e12 * row["step_time_s"] * plan.world_size
+    assert achieved == pytest.approx(plan.flops_per_iteration, rel=1e-9)
 
 
 @pytest.mark.slow

@@ -96,8 +96,35 @@ def test_one_step_moves_exactly_the_named_parts(world_of_one, rows, tmp_path, qw
         state = sum(p.numel() for g in optimizer.optimizer.param_groups for p in g["params"])
         sizes = dict((n, p.numel()) for n, p in model[0].named_parameters())
 
+    # the plan's counts are the model's (the base's, without adapters; tiny-vl's vocabulary
+    # needs no padding at TP 1)
+    assert plan.num_parameters == sum(n for name, n in sizes.items() if _kind(name) != "adapters")
+    assert plan.num_trainable_parameters == sum(sizes[n] for n in trainable)
     expected = {"adapters"} if lora else set()
     expected |= set(COMPONENTS) - set(frozen) - ({"language"} if lora else set())
     assert {_kind(n) for n in trainable} == expected
     assert moved == trainable, sorted(moved ^ trainable)[:5]  # frozen: bit-identical
     assert state == sum(sizes[n] for n in trainable)  # Adam's state for the trainable only
+
+
+@pytest.mark.parametrize("frozen", [("vision", "projector"), ("vision",), ()])
+def test_flops_per_image_are_what_the_image_side_computes(world_of_one, tmp_path, tiny_llava_dir,
+                                                          qwen2_tokenizer_dir, frozen):
+    """The plan's FLOPs per image are torch's count of the ViT and projector's forward (and
+    backward, as far as it trains) on one image: matmuls, the patch convolution, attention."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ray_ppu.model.gpt import build_model
+    from ray_ppu.plan.vision import flops_per_image
+    from ray_ppu.util.wrappers import unwrap
+
+    cfg = _config(tmp_path, qwen2_tokenizer_dir, frozen, True, tiny_llava_dir)
+    plan = build_plan(cfg)
+    with devices.bound("cpu", 0), parallel.groups(plan, cfg.training.seed):
+        model = unwrap(build_model(cfg, plan, "cpu", ddp=False)[0][0])
+        image = torch.rand(1, 3, 32, 32)  # pixels never need a gradient
+        with FlopCounterMode(display=False) as counter:
+            features = model.image_features(image)
+            if features.requires_grad:
+                features.sum().backward()
+    assert counter.get_total_flops() == flops_per_image(cfg) > 0

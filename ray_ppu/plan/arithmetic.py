@@ -4,6 +4,8 @@ memory plan builds on :func:`stage_parameters`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.plan import lora, vision
 
@@ -20,10 +22,11 @@ def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
     Forward + backward = 3 × forward, 2 FLOPs per multiply-add, hence the 6s. Core attention
     counts QKᵀ and AV, halved for the causal mask: 6·s²·q per layer and sample. A LoRA run
     (frozen base: no weight-gradient GEMMs) counts what it computes instead:
-    :func:`ray_ppu.plan.lora.flops_per_iteration`.
+    :func:`ray_ppu.plan.lora.flops_per_iteration`. A vision-language model adds its images
+    (:func:`ray_ppu.plan.vision.flops_per_image`, one per sample in the plan; the training log
+    counts the images its batches held); a frozen language model (Bunny's stage 1) computes
+    no weight gradients: 4 FLOPs per multiply-add in its linears, not 6.
     """
-    # a vision-language model: one image per sample is the plan's estimate; the training
-    # rows count the images the batches held (ray_ppu.plan.vision)
     images = cfg.training.global_batch_size * vision.flops_per_image(cfg)
     if cfg.lora.enabled:
         return lora.flops_per_iteration(cfg, padded_vocab_size)[0] + images
@@ -31,8 +34,9 @@ def flops_per_iteration(cfg: RunConfig, padded_vocab_size: int) -> float:
     h, L, s, B = m.hidden_size, m.num_layers, t.seq_length, t.global_batch_size
     q = m.effective_kv_channels * m.num_attention_heads
     k = m.effective_kv_channels * m.num_query_groups
-    per_layer = 6 * h * (q + 2 * k) + 6 * q * h + 6 * _mlp_multiplies(m, active=True)
-    return (B * s * (L * per_layer + 6 * h * padded_vocab_size)
+    per_layer = h * (q + 2 * k) + q * h + _mlp_multiplies(m, active=True)
+    linear = 4 if cfg.vision.enabled and "language" in cfg.vision.freeze else 6
+    return (B * s * linear * (L * per_layer + h * padded_vocab_size)
             + B * s * s * attention_flops_coefficient(cfg) + images)
 
 
@@ -114,3 +118,22 @@ def stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: int, ep: in
     # Megatron keeps a copy of the embedding there too.
     last = stage + h + embedding // tp
     return total, first, last
+
+
+def trainable_stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: int, ep: int = 1,
+                               etp: int = 1) -> tuple[int, int, int]:
+    """:func:`stage_parameters` of what trains: all of it, the adapters and named base parts
+    under LoRA; a vision-language model's frozen components (vision.freeze) left out."""
+    if cfg.lora.enabled:
+        total, first, last = lora.trainable_parameters(cfg, tp, pp, padded_vocab, ep, etp)
+        # LoRA's count is of the language model; the image side trains as vision.freeze says
+        image = vision.trainable_parameters(cfg)
+        return total + image, first + image // tp, last + (image // tp if pp == 1 else 0)
+    total, first, last = stage_parameters(cfg, tp, pp, padded_vocab, ep, etp)
+    frozen = sum(vision.component_parameters(cfg).values()) - vision.trainable_parameters(cfg)
+    if "language" in cfg.vision.freeze and cfg.vision.enabled:
+        language = stage_parameters(dataclasses.replace(cfg, vision=cfg.vision.with_(encoder=None)),
+                                    tp, pp, padded_vocab, ep, etp)
+        return (total - language[0] - frozen, first - language[1] - frozen // tp,
+                last - language[2] - (frozen // tp if pp == 1 else 0))
+    return total - frozen, first - frozen // tp, last - (frozen // tp if pp == 1 else 0)

@@ -9,6 +9,7 @@ from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import ConfigError
 from ray_ppu.plan import derived, lora, rules, vision
 from ray_ppu.plan.arithmetic import (active_parameters, attention_flops_coefficient,
+                                     trainable_stage_parameters,
                                      flops_per_iteration, stage_parameters)
 from ray_ppu.plan.layout import ParallelDims, active_workers
 
@@ -51,6 +52,9 @@ class Plan:
     # core attention FLOPs of one sample = this × its length² (causal, Megatron-LM's count):
     # packed rows count their samples' lengths instead of seq_length
     attention_flops_coefficient: float = 0.0
+    # a vision-language model's FLOPs per image (ViT + projector): the plan counts one image
+    # per sample, the training log the images its batches held
+    flops_per_image: float = 0.0
     spare_workers: int = 0  # workers in the Ray group beyond world_size, outside Megatron's groups
     # what trains (all of it, but for LoRA: the adapters and the base parts lora.trainable names)
     num_trainable_parameters: int = 0
@@ -86,7 +90,7 @@ def build_plan(cfg: RunConfig, forward_only: bool = False) -> Plan:
     evaluations = train_iters // t.eval_interval + 1 if t.eval_interval > 0 else 0
     padded_vocab = m.padded_vocab_size(tp)
     total, first, last = stage_parameters(cfg, tp, pp, padded_vocab, dims.ep, dims.etp)
-    trainable = _trainable(cfg, tp, pp, padded_vocab, dims, (total, first, last))
+    trainable = trainable_stage_parameters(cfg, tp, pp, padded_vocab, dims.ep, dims.etp)
     return Plan(
         world_size=dims.world_size,
         tensor_model_parallel_size=tp,
@@ -118,29 +122,10 @@ def build_plan(cfg: RunConfig, forward_only: bool = False) -> Plan:
         num_parameters_per_device=max(first, last),
         flops_per_iteration=float(flops_per_iteration(cfg, padded_vocab)),
         attention_flops_coefficient=attention_flops_coefficient(cfg),
+        flops_per_image=vision.flops_per_image(cfg),
         num_trainable_parameters=trainable[0],
         num_trainable_parameters_per_device=max(trainable[1:]),
     )
-
-
-def _trainable(cfg: RunConfig, tp: int, pp: int, padded_vocab: int, dims,
-               everything: tuple[int, int, int]) -> tuple[int, int, int]:
-    """(total, first stage's device, last stage's device) parameters that train: all of them,
-    the adapters and named base parts under LoRA; a vision-language model's frozen
-    components (vision.freeze) left out."""
-    if cfg.lora.enabled:
-        total, first, last = lora.trainable_parameters(cfg, tp, pp, padded_vocab, dims.ep, dims.etp)
-        # LoRA's count is of the language model; the image side trains as vision.freeze says
-        image = vision.trainable_parameters(cfg)
-        return total + image, first + image // tp, last + (image // tp if pp == 1 else 0)
-    total, first, last = everything
-    frozen = sum(vision.component_parameters(cfg).values()) - vision.trainable_parameters(cfg)
-    if "language" in cfg.vision.freeze and cfg.vision.enabled:
-        language = stage_parameters(dataclasses.replace(cfg, vision=cfg.vision.with_(encoder=None)),
-                                    tp, pp, padded_vocab, dims.ep, dims.etp)
-        return (total - language[0] - frozen, first - language[1] - frozen // tp,
-                last - language[2] - (frozen // tp if pp == 1 else 0))
-    return total - frozen, first - frozen // tp, last - (frozen // tp if pp == 1 else 0)
 
 
 def plan_for_world(cfg: RunConfig, world_size: int) -> Plan:

@@ -27,8 +27,9 @@ from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.devices.specs import SPECS
-from ray_ppu.plan import lora
-from ray_ppu.plan.arithmetic import expert_parameters_per_device, stage_parameters
+from ray_ppu.plan import lora, vision
+from ray_ppu.plan.arithmetic import (expert_parameters_per_device, stage_parameters,
+                                     trainable_stage_parameters)
 from ray_ppu.plan.te_options import uses_transformer_engine
 
 GIB = 1024 ** 3
@@ -161,6 +162,9 @@ def _activation_bytes(cfg: RunConfig, plan, te: bool, stage: str) -> tuple[float
     else:
         per_chunk = layer["stored"] * layers
     in_flight = _in_flight(plan) if stage in ("first", "only") else 1
+    if stage in ("first", "only"):  # a vision-language model's ViT and projector
+        per_chunk += vision.activation_bytes(cfg, plan.micro_batch_size,
+                                             plan.tensor_model_parallel_size, _element_bytes(cfg))
     if stage in ("last", "only"):
         # final norm and output GEMM inputs; the cross entropy keeps the softmax of the
         # logits (computed in place over them), fp32
@@ -194,10 +198,10 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
     _, first, last = stage_parameters(cfg, tp, pp, plan.padded_vocab_size, ep, etp)
     experts = expert_parameters_per_device(cfg, pp, ep, etp)
     stages = {"only": first} if pp == 1 else {"first": first, "last": last}
-    trains = {"only": first, "first": first, "last": last}
-    if cfg.lora.enabled:  # gradients and optimizer state for what trains only
-        _, lfirst, llast = lora.trainable_parameters(cfg, tp, pp, plan.padded_vocab_size, ep, etp)
-        trains = {"only": lfirst, "first": lfirst, "last": llast}
+    # gradients and optimizer state for what trains only (LoRA, vision.freeze)
+    _, tfirst, tlast = trainable_stage_parameters(cfg, tp, pp, plan.padded_vocab_size, ep, etp)
+    trains = {"only": tfirst, "first": tfirst, "last": tlast}
+    if cfg.lora.enabled:
         experts = lora.expert_adapter_parameters_per_device(cfg, pp, ep, etp)
     param_bytes = _element_bytes(cfg)
     optimizer_per_param = 8 + (4 if t.precision != "fp32" else 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.plan.derived import rounded_to_zero, tokens_per_iteration
 from ray_ppu.plan.memory import HEADROOM, MemoryPlan
+from ray_ppu.plan.vision import component_parameters
 
 
 def summary_lines(cfg: RunConfig, plan, memory: MemoryPlan) -> list[str]:
@@ -17,7 +18,7 @@ def summary_lines(cfg: RunConfig, plan, memory: MemoryPlan) -> list[str]:
                    f"{plan.valid_samples} in all"] if plan.eval_iters else [])
     return ([_layout(plan), _batch(cfg, plan), _schedule(cfg, plan)]
             + [f"note: {line}" for line in rounded_to_zero(cfg)] + validation
-            + [_model(plan)] + _lora(cfg, plan) + [_memory(memory)])
+            + [_model(plan)] + _vision(cfg, plan) + _lora(cfg, plan) + [_memory(memory)])
 
 
 def _layout(plan) -> str:
@@ -54,6 +55,20 @@ def _model(plan) -> str:
     return (f"model: {_count(plan.num_parameters)} parameters{active}, "
             f"{_count(plan.num_parameters_per_device)} on the most loaded device; "
             f"{plan.flops_per_iteration:.3g} FLOPs per iteration")
+
+
+def _vision(cfg: RunConfig, plan) -> list[str]:
+    """A vision-language model's parameters per component, what trains, the image FLOPs."""
+    v = cfg.vision
+    if not v.enabled:
+        return []
+    parts = component_parameters(cfg)
+    parts["language"] = plan.num_parameters - sum(parts.values())
+    described = ", ".join(f"{name} {_count(n)} ({'frozen' if name in v.freeze else 'trains'})"
+                          for name, n in parts.items())
+    return [f"components: {described}; {plan.num_trainable_parameters:,} parameters train; "
+            f"{v.image_tokens} tokens and {plan.flops_per_image:.3g} FLOPs per image "
+            f"({v.encoder} {v.image_size} px, {v.layers_built} ViT layers)"]
 
 
 def _lora(cfg: RunConfig, plan) -> list[str]:

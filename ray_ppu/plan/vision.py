@@ -9,7 +9,9 @@ patches·h·3p²; the projector image_tokens·(h·H + H²) into the language wid
 multiply-add is 2 FLOPs; backward doubles it again for the input gradients and again for the
 weight gradients. What a frozen part skips: a frozen ViT (the first thing in the model) runs
 forward only (2 FLOPs per multiply-add); a frozen projector behind a training ViT still
-passes input gradients back (4); anything that trains costs 6, as Megatron-LM counts.
+passes input gradients back (4); anything that trains costs 6, as Megatron-LM counts, but
+the patch convolution, whose input (the pixels) needs no gradient (4). Checked against
+torch's FLOP counter on the model (tests/test_vl_training.py).
 """
 
 from __future__ import annotations
@@ -40,16 +42,43 @@ def flops_per_image(cfg: RunConfig) -> float:
         return 0.0
     h, f, H = v.hidden_size, v.ffn_hidden_size, cfg.model.hidden_size
     n = v.patches + int(v.class_token)
-    vit = v.layers_built * (n * (4 * h * h + 2 * h * f) + 2 * n * n * h) + v.patches * h * 3 * v.patch_size ** 2
+    layers = v.layers_built * (n * (4 * h * h + 2 * h * f) + 2 * n * n * h)
+    patches = v.patches * h * 3 * v.patch_size ** 2
     projector = v.image_tokens * (h * H + H * H)
     vit_trains = "vision" not in v.freeze
     projector_trains = "projector" not in v.freeze
-    vit_factor = 6 if vit_trains else 2
+    # the patch convolution's input is the pixels: no input gradient, only its weight's
+    vit = (6 * layers + 4 * patches) if vit_trains else 2 * (layers + patches)
     projector_factor = 6 if projector_trains else (4 if vit_trains else 2)
-    return float(vit_factor * vit + projector_factor * projector)
+    return float(vit + projector_factor * projector)
 
 
 def trainable_parameters(cfg: RunConfig) -> int:
     """Parameters of the image side that train (not named in vision.freeze)."""
     parts = component_parameters(cfg)
     return sum(n for name, n in parts.items() if name not in cfg.vision.freeze)
+
+
+def activation_bytes(cfg: RunConfig, micro_batch_size: int, tp: int, element_bytes: int) -> float:
+    """What the image side keeps for backward per microbatch on a first-stage device: one
+    image per sample (the plan's estimate). A frozen ViT (pixels need no gradient) keeps
+    nothing, nor does a frozen projector behind it. A training ViT layer keeps, per position,
+    its two LayerNorm inputs and outputs (4h), q, k, v and the attention output (4h / TP), the
+    MLP's input-side GELU tensors (2f / TP), and the fp32 softmax over every position pair
+    (heads / TP × n², plus its 16-bit cast); a training projector its input, its hidden
+    layer and the GELU output (h + 2H / TP) per image token."""
+    v = cfg.vision
+    if not v.enabled:
+        return 0.0
+    vit_trains = "vision" not in v.freeze
+    projector_trains = "projector" not in v.freeze
+    h, f, H, e = v.hidden_size, v.ffn_hidden_size, cfg.model.hidden_size, element_bytes
+    n = v.patches + int(v.class_token)
+    per_image = 0.0
+    if vit_trains:
+        heads = v.num_attention_heads / tp
+        layer = n * e * (4 * h + (4 * h + 2 * f) / tp) + heads * n * n * (4 + (e if e < 4 else 0))
+        per_image += v.layers_built * layer
+    if vit_trains or projector_trains:
+        per_image += v.image_tokens * e * (h + 2 * H / tp)
+    return micro_batch_size * per_image

@@ -165,6 +165,7 @@ class TimedIterator:
         self.batches, self.waited_s = batches, 0.0
         self.ids: list = []
         self.squared_lengths = 0  # packed rows: Σ length² of the samples read (attention FLOPs)
+        self.images = 0  # a vision-language model's images read (ViT FLOPs)
 
     def __iter__(self):
         return self
@@ -180,6 +181,8 @@ class TimedIterator:
         if "cu_seqlens" in batch:  # boundaries padded with the last one: zero-length repeats
             lengths = np.diff(np.asarray(batch["cu_seqlens"], dtype=np.int64), axis=-1)
             self.squared_lengths += int((lengths ** 2).sum())
+        if "num_images" in batch:
+            self.images += int(np.sum(batch["num_images"]))
         return batch
 
     def take_ids(self) -> list:

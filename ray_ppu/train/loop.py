@@ -37,21 +37,36 @@ class _Window:
     grad_norm: float = 0.0
     data_wait_s: float = 0.0  # this rank's time blocked on the data stream at the window start
     squared_lengths: int = 0  # packed rows: the stream's Σ length² at the window start
+    images: int = 0  # a vision-language model: the stream's images read at the window start
 
 
-def _flops_per_iteration(plan: Plan, timed: Optional[TimedIterator], window: _Window,
-                         device: torch.device) -> float:
-    """The plan's FLOPs per iteration; with packed rows the attention term counts the real
-    sample lengths: rank 0's Σ length² over the window (its DP share, × DP), sent to all."""
-    if not plan.packed_sequences:
-        return plan.flops_per_iteration
-    squared = torch.zeros(1, dtype=torch.float64, device=device)
+def _window_counts(plan: Plan, timed: Optional[TimedIterator], window: _Window,
+                   device: torch.device) -> tuple[float, float]:
+    """Per iteration over the window: Σ length² of the packed samples and the images the
+    batches held, from rank 0's stream (its DP share, × DP), sent to all; (0, 0) when the
+    plan's own counts stand (unpacked text)."""
+    if not (plan.packed_sequences or plan.flops_per_image):
+        return 0.0, 0.0
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
     if timed is not None and dist.get_rank() == 0:
-        squared[0] = ((timed.squared_lengths - window.squared_lengths) / window.iterations
-                      * plan.data_parallel_size)
-    dist.broadcast(squared, src=0)
-    rows = plan.global_batch_size * plan.seq_length ** 2
-    return plan.flops_per_iteration + plan.attention_flops_coefficient * (float(squared[0]) - rows)
+        per_iteration = plan.data_parallel_size / window.iterations
+        counts[0] = (timed.squared_lengths - window.squared_lengths) * per_iteration
+        counts[1] = (timed.images - window.images) * per_iteration
+    dist.broadcast(counts, src=0)
+    return float(counts[0]), float(counts[1])
+
+
+def _flops_per_iteration(plan: Plan, squared_lengths: float, images: float) -> float:
+    """The plan's FLOPs per iteration, counted from what the batches held: packed rows'
+    attention by their samples' lengths, a vision-language model's ViT by its images (the
+    plan counts full rows and one image per sample)."""
+    flops = plan.flops_per_iteration
+    if plan.packed_sequences:
+        rows = plan.global_batch_size * plan.seq_length ** 2
+        flops += plan.attention_flops_coefficient * (squared_lengths - rows)
+    if plan.flops_per_image:
+        flops += plan.flops_per_image * (images - plan.global_batch_size)
+    return flops
 
 
 @dataclass
@@ -129,7 +144,8 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
             # the hook's cost (e.g. a Ray report) counts in the next window
             window = _Window(start=time.perf_counter(),
                              data_wait_s=timed.waited_s if timed else 0.0,
-                             squared_lengths=timed.squared_lengths if timed else 0)
+                             squared_lengths=timed.squared_lengths if timed else 0,
+                             images=timed.images if timed else 0)
             hooks.on_log(metrics)
         if plan.eval_iters and (done % plan.eval_interval == 0 or last):
             with _off_the_clock(window) as took:
@@ -185,6 +201,7 @@ def _training_row(state: TrainState, window: "_Window", timed: Optional[TimedIte
     plan, device = state.plan, state.device
     lm_loss = mean_loss(window.loss_sum, device)  # syncs: the window's work is finished
     step_time = (time.perf_counter() - window.start) / window.iterations
+    squared, images = _window_counts(plan, timed, window, device)  # collective
     tokens_per_iteration = plan.global_batch_size * plan.seq_length
     metrics = {
         "iteration": done,
@@ -201,11 +218,14 @@ def _training_row(state: TrainState, window: "_Window", timed: Optional[TimedIte
         "tokens_per_s": tokens_per_iteration / step_time,
         "tokens_per_s_per_device": tokens_per_iteration / step_time / plan.world_size,
         # Megatron-LM's FLOPs per iteration, achieved per device
-        "tflops_per_device": (_flops_per_iteration(plan, timed, window, device)
+        "tflops_per_device": (_flops_per_iteration(plan, squared, images)
                               / step_time / plan.world_size / 1e12),
         "elapsed_s": time.perf_counter() - run_start,
         "eta_s": (plan.train_iters - done) * step_time,
     }
+    if plan.flops_per_image:  # a vision-language model
+        metrics["images_per_iteration"] = images
+        metrics["images_per_s"] = images / step_time
     if state.expert_load is not None:  # collective, like the loss
         metrics.update(state.expert_load.row(window.iterations * plan.num_microbatches))
     if get_attr_wrapped_model(state.model[0], "config").fp16:
