@@ -46,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lora", metavar="DIR",
                         help="a Hugging Face PEFT LoRA adapter directory to apply to the "
                              "checkpoint (its base)")
+    parser.add_argument("--image", action="append", metavar="PATH",
+                        help="an image for a vision-language model to answer about (repeat for "
+                             "several): --prompt is then the user's question, in the chat "
+                             "template, its <image> tags (or the images first) the images")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--dump-logits", metavar="FILE", help="write the prompt's logits here")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
@@ -87,7 +91,12 @@ def prepare(args: argparse.Namespace) -> tuple:
     tokenizer = None
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(tokenizer_dir)
-    if token_ids is not None:
+    images, stops = _images(args, source, tokenizer_dir)
+    if images is not None and token_ids is None:
+        from ray_ppu.offline.image_prompt import prompt_ids
+
+        prompt, stops = prompt_ids(tokenizer_dir, args.prompt, len(args.image), source.vision)
+    elif token_ids is not None:
         prompt = token_ids
     elif tokenizer is None:
         raise ConfigError(f"no tokenizer.json for {source.path}: pass --tokenizer DIR or "
@@ -103,8 +112,25 @@ def prepare(args: argparse.Namespace) -> tuple:
     # (torchrun's WORLD_SIZE, else one process): not on every rank after joining it.
     cfg, plan = inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)), args.tp,
                                  args.pp, precision=precision, device=backend, ep=args.ep,
-                                 etp=1 if args.ep > 1 else None, lora=lora)
-    return source, tokenizer, prompt, backend, cfg, plan, {"adapter": adapter, "trained": trained}
+                                 etp=1 if args.ep > 1 else None, lora=lora,
+                                 vision=source.vision)
+    stops = stops or ((tokenizer.eod,) if tokenizer is not None else ())
+    return (source, tokenizer, prompt, backend, cfg, plan,
+            {"adapter": adapter, "trained": trained}, {"images": images, "stop": tuple(stops)})
+
+
+def _images(args: argparse.Namespace, source, tokenizer_dir) -> tuple:
+    """--image's pixel values (None without it) and, for a question, the stop ids (filled by
+    the prompt); a text model or a missing tokenizer is a ConfigError."""
+    if not args.image:
+        return None, ()
+    if not source.vision.enabled:
+        raise ConfigError(f"--image: {source.path} is a text model (no vision section)")
+    if args.token_ids is None and tokenizer_dir is None:
+        raise ConfigError(f"--image: no tokenizer for {source.path}: pass --tokenizer DIR")
+    from ray_ppu.offline.image_prompt import pixel_values
+
+    return pixel_values(args.image, source.vision, source.hf_dir), ()
 
 
 def _with_adapters(source, lora_dir: Optional[str]) -> tuple:
@@ -139,10 +165,9 @@ def main(argv=None) -> int:
     """
     args = parse_args(argv)
     try:
-        source, tokenizer, prompt, backend, cfg, plan, adapters = prepare(args)
+        source, tokenizer, prompt, backend, cfg, plan, adapters, extra = prepare(args)
     except (UserError, RuntimeError) as err:
         return report_before_group(err)
-    stop = (tokenizer.eod,) if tokenizer is not None else ()
 
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     import torch.distributed as dist
@@ -155,9 +180,10 @@ def main(argv=None) -> int:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         with inference.built_model(cfg, plan, backend, local_rank) as chunks:
             inference.load_weights(chunks, source, cfg, plan, **adapters)
-            new, logits = inference.greedy(chunks, prompt, source.model.vocab_size,
-                                           devices.torch_device(backend),
-                                           args.max_new_tokens, stop)
+            device = devices.torch_device(backend)
+            images = extra["images"].to(device) if extra["images"] is not None else None
+            new, logits = inference.greedy(chunks, prompt, source.model.vocab_size, device,
+                                           args.max_new_tokens, extra["stop"], images)
         if dist.get_rank() != 0:
             return 0
     result = {"checkpoint": str(source.path), "format": source.kind, "prompt_ids": prompt,

@@ -128,3 +128,39 @@ def test_flops_per_image_are_what_the_image_side_computes(world_of_one, tmp_path
             if features.requires_grad:
                 features.sum().backward()
     assert counter.get_total_flops() == flops_per_image(cfg) > 0
+
+
+def test_generate_answers_about_an_image_as_transformers_does(tiny_llava_dir, image_dir, tmp_path):  # noqa: F811
+    """generate.py --image: the question in the chat template with the image's 16 tokens, the
+    image through the model's processor; the greedy answer is transformers' for those ids and
+    that image. A broken image is one error line naming it."""
+    import json
+    import subprocess
+    import sys
+
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration, SiglipImageProcessor
+
+    from conftest import REPO
+
+    def generate(*args):
+        return subprocess.run([sys.executable, str(REPO / "entrypoints" / "generate.py"),
+                               "--checkpoint", str(tiny_llava_dir), "--max-new-tokens", "6",
+                               *args], capture_output=True, text=True, timeout=300)
+
+    proc = generate("--image", str(image_dir / "red.png"), "--prompt", "What colour is it?")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    ids = ours["prompt_ids"]
+    assert ids.count(151_655) == 16 and ids[0] == 151_644  # <|im_start|>user … the image
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir).eval()
+    pixels = SiglipImageProcessor.from_pretrained(tiny_llava_dir)(
+        images=Image.open(image_dir / "red.png"), return_tensors="pt").pixel_values
+    with torch.no_grad():
+        theirs = model.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
+                                max_new_tokens=len(ours["new_ids"]), do_sample=False)
+    assert ours["new_ids"] == theirs[0, len(ids):].tolist()
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    proc = generate("--image", str(tmp_path / "broken.png"), "--prompt", "Hi")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "broken.png" in proc.stderr

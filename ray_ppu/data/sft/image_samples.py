@@ -56,20 +56,23 @@ class VisionData:
         return row_length // self.tokens_per_image
 
 
-def vision_data(cfg) -> VisionData:
-    """The image settings of a vision-language run (``cfg``: its RunConfig): the model's
-    image processor from checkpoint.pretrained's preprocessor_config.json when there is one,
-    else the encoder family's (SigLIP: squash to the square; CLIP: short side, centre crop)."""
-    vision = cfg.vision
-    spec = None
-    pretrained = cfg.checkpoint.pretrained
-    if pretrained and os.path.isfile(os.path.join(pretrained, PROCESSOR_FILE)):
-        path = os.path.join(pretrained, PROCESSOR_FILE)
+def image_spec(vision, model_dir=None) -> ImageSpec:
+    """How a model's images are prepared: the image processor of ``model_dir``'s
+    preprocessor_config.json when there is one, else the encoder family's (SigLIP: squash to
+    the square; CLIP: short side, centre crop) at ``vision.image_size``."""
+    if model_dir and os.path.isfile(os.path.join(model_dir, PROCESSOR_FILE)):
+        path = os.path.join(model_dir, PROCESSOR_FILE)
         with open(path, encoding="utf-8") as f:
-            spec = ImageSpec.from_hf(json.load(f), path)
-    if spec is None:
-        spec = (ImageSpec.siglip if vision.encoder == "siglip" else ImageSpec.clip)(vision.image_size)
-    return VisionData(vision.image_token_id, vision.image_tokens, spec,
+            return ImageSpec.from_hf(json.load(f), path)
+    return (ImageSpec.siglip if vision.encoder == "siglip" else ImageSpec.clip)(vision.image_size)
+
+
+def vision_data(cfg) -> VisionData:
+    """The image settings of a vision-language run (``cfg``: its RunConfig), its image
+    processor that of checkpoint.pretrained (:func:`image_spec`)."""
+    vision = cfg.vision
+    return VisionData(vision.image_token_id, vision.image_tokens,
+                      image_spec(vision, cfg.checkpoint.pretrained),
                       cfg.data.max_image_pixels, cfg.data.image_root)
 
 
