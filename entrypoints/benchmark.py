@@ -11,6 +11,7 @@
     python entrypoints/benchmark.py moe [--iters 10] [--json FILE] [--corpus PREFIX] [key=value ...]
     python entrypoints/benchmark.py hf-load [--sizes-gb 1 2 4] [--ranks 2] [--dir DIR]
     python entrypoints/benchmark.py lora [--rank 16] [--iters 3] [--dir DIR] [--json FILE]
+    python entrypoints/benchmark.py vl [--images 200] [--dir DIR] [--json FILE]
 
 ``overhead``: the same tiny training run under Ray Train (a local Ray the run starts, and a job
 joining a Ray already running) and under plain torchrun (in-process reads), alternated:
@@ -48,6 +49,10 @@ full fine-tuning of the same base, one torchrun launch each: step time, tokens/s
 optimizer bytes per rank, peak host memory, an in-memory snapshot's size and blocking time,
 and the ratios against their targets (ray_ppu.tools.bench.lora).
 
+``vl``: photo-like JPEGs decoded and preprocessed for SigLIP at 384 px as the data pipeline
+does, per CPU, beside what one PPU consumes at 50 % MFU in the seed's Bunny layout: the CPUs a
+16-PPU node needs for decoding; an image's bytes in uint8 vs float32 (ray_ppu.tools.bench.vl).
+
 ``hf-load``: synthetic multi-GB Hugging Face checkpoints loaded with ``checkpoint.pretrained``'s
 code by --ranks CPU processes at TP = ranks and at PP = ranks: per-rank load time and peak host
 memory against the checkpoint size (``entrypoints/hf_benchmark.py``).
@@ -71,13 +76,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ray_ppu.tools.bench import (data_path, device, elastic, lora,  # noqa: E402
-                                 metrics_export, moe, options, overhead, recovery, sft)
+                                 metrics_export, moe, options, overhead, recovery, sft, vl)
 from ray_ppu.tools.bench.common import subcommand_parser  # noqa: E402
 
 # In --help's order; each module has HELP, add_arguments(parser) and main(args).
 BENCHES = {"overhead": overhead, "data": data_path, "sft": sft, "elastic": elastic,
            "recovery": recovery, "metrics": metrics_export, "options": options,
-           "device": device, "moe": moe, "lora": lora}
+           "device": device, "moe": moe, "lora": lora, "vl": vl}
 # Each runs on a Ray of its own, as this script re-run with --child: main(args, program).
 SCENARIOS = ("elastic", "recovery")
 

@@ -1,6 +1,7 @@
 """``benchmark.py device``: the options only a GPU / PPU runs (fp8, TE attention kernels,
 activation / optimizer offload, CP 2), on every visible device; then a MoE at EP 1 vs EP = the
-devices, with its token dispatcher's time and MFU.
+devices, with its token dispatcher's time and MFU; then a vision-language run (a 4-layer slice
+of llava-qwen2.5-7b with the whole SigLIP-so400m, Bunny's stage 2) with MFU and memory.
 
 This is the prepared script others run on a lent GPU (< 8 minutes on one H200 for the options;
 the MoE part, two short runs of one launch, has not been timed on a GPU yet): its command line
@@ -16,8 +17,8 @@ import argparse
 
 from ray_ppu.tools.bench.common import add_corpus_argument, work_and_corpus
 
-HELP = ("GPU/PPU-only options (fp8, TE attention, activation offload, CP) and MoE EP 1 vs EP N: "
-        "ran, losses, time, memory, dispatcher time, MFU")
+HELP = ("GPU/PPU-only options (fp8, TE attention, activation offload, CP), MoE EP 1 vs EP N and "
+        "a vision-language run: ran, losses, time, memory, dispatcher time, MFU")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,13 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_corpus_argument(parser)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=120, help="per option or MoE run")
-    parser.add_argument("--part", choices=("all", "options", "moe"), default="all",
-                        help="the option matrix, the MoE EP comparison, or both")
+    parser.add_argument("--part", choices=("all", "options", "moe", "vl"), default="all",
+                        help="the option matrix, the MoE EP comparison, the vision-language "
+                             "run, or all three")
 
 
 def main(args) -> dict:
     from ray_ppu.tools import option_matrix
-    from ray_ppu.tools.bench import moe
+    from ray_ppu.tools.bench import moe, vl
 
     moe.require_cuda("benchmark.py device")  # before the corpus is built
     work, corpus = work_and_corpus(args)
@@ -41,4 +43,6 @@ def main(args) -> dict:
     if args.part in ("all", "moe"):
         # one launch trains both runs: twice the per-run timeout, plus the start
         results["moe"] = moe.device(corpus, args.iters, work / "moe", 2 * args.timeout + 120)
+    if args.part in ("all", "vl"):  # under Ray Train: its start-up on top of the run
+        results["vl"] = vl.device(work / "vl", args.iters, args.timeout + 120)
     return results

@@ -1,0 +1,169 @@
+"""``benchmark.py vl``: can Ray Data's CPUs keep a node of vision-language ranks fed?
+
+Photo-like JPEGs (``--images`` of 640 × 480, smooth gradients and shapes with noise, about
+the size of a COCO photo) are decoded and preprocessed exactly as the data pipeline does
+(:func:`ray_ppu.data.images.load_image`: RGB, resize, crop; uint8 out) for the
+``bunny-llama3-8b-v`` model (SigLIP at 384 px) in one process: images per second per CPU.
+Beside it, the rate one rank consumes them at the seed's Bunny layout (16 PPUs, TP 1, the
+pretraining stage's ~800-token samples of one image each: the plan's FLOPs per sample at 50 %
+MFU of a PPU), and what the two give: the CPUs a 16-PPU node needs for decoding. Also the wire
+and store bytes of one image in uint8 (what ray_ppu ships) against float32 (an HF
+processor's output). CPU time is counted (``time.process_time``), so a busy machine slows the
+wall clock, not the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+HELP = "image decoding per CPU against a Bunny rank's consumption"
+PPU_PEAK = 123e12  # bf16 FLOP/s of one PPU (the seed's MFU denominator)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default="outputs/benchmark_vl", help="images and records")
+    parser.add_argument("--images", type=int, default=200)
+    parser.add_argument("--json", help="write the figures here")
+
+
+def _photos(root: Path, count: int) -> list[Path]:
+    """``count`` 640 × 480 JPEGs (quality 90) made once under ``root``."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    root.mkdir(parents=True, exist_ok=True)
+    paths = [root / f"photo_{i:05d}.jpg" for i in range(count)]
+    rng = np.random.default_rng(0)
+    for path in paths:
+        if path.exists():
+            continue
+        y, x = np.mgrid[0:480, 0:640]
+        base = np.stack([(x * rng.uniform(0.1, 0.4) + y * rng.uniform(0.1, 0.4)) % 256
+                         for _ in range(3)], axis=-1)
+        noisy = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+        image = Image.fromarray(noisy)
+        pen = ImageDraw.Draw(image)
+        for _ in range(6):
+            x0, y0 = rng.integers(0, 560), rng.integers(0, 400)
+            pen.ellipse((x0, y0, x0 + rng.integers(20, 80), y0 + rng.integers(20, 80)),
+                        fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+        image.save(path, quality=90)
+    return paths
+
+
+def _decode_rate(paths: list[Path], spec) -> float:
+    from ray_ppu.data.images import load_image
+
+    load_image(paths[0], spec, 50_000_000)  # warm up: PIL's plugins
+    started = time.process_time()
+    for path in paths:
+        load_image(path, spec, 50_000_000)
+    return len(paths) / (time.process_time() - started)
+
+
+def _consumption() -> dict:
+    """Samples per second one PPU consumes at 50 % MFU in the seed's Bunny layout."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.plan import build_plan
+
+    cfg = load(None, ["model.preset=bunny-llama3-8b-v", "cluster.num_workers=16",
+                      "data.dataset=sft", "data.data_path=[bunny.json]", "data.tokenizer=.",
+                      "training.seq_length=800", "training.micro_batch_size=8",
+                      "training.global_batch_size=128", "training.train_iters=10",
+                      "training.eval_iters=0", "training.precision=bf16",
+                      "vision.freeze=[vision, language]"])
+    plan = build_plan(cfg)
+    per_sample = plan.flops_per_iteration / plan.global_batch_size
+    return {"flops_per_sample": per_sample,
+            "samples_per_s_per_ppu": 0.5 * PPU_PEAK / per_sample,
+            "seed_samples_per_s_per_ppu": 37.01 / 16}
+
+
+def main(args) -> dict:
+    from ray_ppu.data.images import ImageSpec, image_bytes_per_sample
+
+    work = Path(args.dir).resolve()
+    paths = _photos(work / "photos", args.images)
+    spec = ImageSpec.siglip(384)
+    rate = _decode_rate(paths, spec)
+    need = _consumption()
+    node = 16 * need["samples_per_s_per_ppu"]
+    figures = {
+        "jpeg_kib_mean": sum(p.stat().st_size for p in paths) / len(paths) / 1024,
+        "decode_images_per_s_per_cpu": rate,
+        **need,
+        "node_images_per_s_at_50pct_mfu": node,
+        "cpus_per_node_for_decoding": node / rate,
+        "seed_cpus_per_node": 16 * need["seed_samples_per_s_per_ppu"] / rate,
+        "image_bytes_uint8": image_bytes_per_sample(spec),
+        "image_bytes_float32": 4 * image_bytes_per_sample(spec),
+    }
+    print(f"decode + preprocess (SigLIP 384, {figures['jpeg_kib_mean']:.0f} KiB JPEGs): "
+          f"{rate:.0f} images/s per CPU")
+    print(f"one PPU at 50 % MFU, Bunny stage 1: {need['samples_per_s_per_ppu']:.2f} images/s "
+          f"({need['flops_per_sample']:.3g} FLOPs per sample); the seed measured "
+          f"{need['seed_samples_per_s_per_ppu']:.2f}")
+    print(f"a 16-PPU node: {node:.1f} images/s = {figures['cpus_per_node_for_decoding']:.2f} "
+          f"CPUs of decoding ({figures['seed_cpus_per_node']:.2f} at the seed's rate)")
+    print(f"one image on the wire / in the store: {figures['image_bytes_uint8'] / 1024:.0f} KiB "
+          f"uint8 vs {figures['image_bytes_float32'] / 1024:.0f} KiB float32 (4.0x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+# The device case: the llava-qwen2.5-7b architecture cut to 4 language layers (SigLIP-so400m
+# whole: its 729 image tokens per image), Bunny's stage 2 (ViT frozen), bf16, on the shapes
+# corpus (64-pixel drawings, resized to 384 by the SigLIP processor)
+DEVICE_RUN = ["model.preset=llava-qwen2.5-7b", "model.num_layers=4", "vision.freeze=[vision]",
+              "parallel.tensor_model_parallel_size=1",
+              "training.precision=bf16", "training.seq_length=1024",
+              "training.micro_batch_size=2", "training.lr=1e-4", "training.min_lr=1e-5",
+              "training.lr_warmup_iters=2", "training.log_interval=2", "training.eval_iters=0",
+              "checkpoint.enabled=false", "output.tensorboard=false", "cluster.device=ppu"]
+
+
+def device(out: Path, iters: int, timeout: float) -> dict:
+    """Stage 2 of a LLaVA-Qwen2.5 slice under Ray Train on every visible GPU / PPU (DP): step
+    time, TFLOP/s and MFU counting the images each batch held, peak memory, the losses."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from ray_ppu.devices.specs import SPECS
+    from ray_ppu.tools import vl_demo
+    from ray_ppu.tools.bench.common import metrics_rows
+
+    nproc = torch.cuda.device_count()
+    name = torch.cuda.get_device_name(0)
+    accelerator = next((k for k in ("h200", "h100", "a100") if k in name.lower()), "ppu-810e")
+    paths = vl_demo.prepare(out)
+    run = out / "run"
+    overrides = [*DEVICE_RUN, "data.dataset=sft", f"data.data_path=[{paths['train']}]",
+                 f"data.image_root={paths['image_root']}", f"data.tokenizer={paths['tokenizer']}",
+                 f"cluster.num_workers={nproc}", f"cluster.accelerator={accelerator}",
+                 f"training.global_batch_size={8 * nproc}", f"training.train_iters={iters}",
+                 f"output.dir={run}"]
+    proc = subprocess.run([sys.executable, "entrypoints/pretrain.py", *overrides],
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark.py device's VL part failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    rows = [r for r in metrics_rows(run) if "lm_loss" in r]
+    steady = rows[1:] or rows  # the first window holds the first step's compilation
+    tflops = sum(r["tflops_per_device"] for r in steady) / len(steady)
+    figures = {"setting": f"llava-qwen2.5-7b with 4 language layers, stage 2, bf16, {nproc} × "
+                          f"{name}", "losses": [r["lm_loss"] for r in rows],
+               "step_time_s": sum(r["step_time_s"] for r in steady) / len(steady),
+               "images_per_s": sum(r["images_per_s"] for r in steady) / len(steady),
+               "tflops_per_device": tflops, "mfu": tflops / SPECS[accelerator].bf16_tflops,
+               "peak_memory_gib": max(r.get("peak_memory_gib", 0.0) for r in rows)}
+    print(f"VL ({figures['setting']}): {figures['step_time_s'] * 1e3:.0f} ms/step, "
+          f"{figures['images_per_s']:.1f} images/s, {tflops:.1f} TFLOP/s per device, MFU "
+          f"{figures['mfu']:.1%}, peak {figures['peak_memory_gib']:.1f} GiB; losses "
+          f"{figures['losses'][0]:.3f} → {figures['losses'][-1]:.3f}")
+    return figures
