@@ -12,13 +12,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
-.PHONY: install chromium demo test test-faults benchmark clean
+.PHONY: install chromium demo demo-vl test test-faults benchmark clean
 install: $(VENV)/.installed
 
 demo: $(VENV)/.installed  ## tiny Qwen2.5 on the stdlib corpus, 2 workers, TP=2, local Ray
 	# A fresh run each time: the previous run's final checkpoint would make it resume, finished.
 	rm -rf outputs/demo/ray_train outputs/demo/metrics.jsonl outputs/demo/tensorboard
 	$(PY) entrypoints/pretrain.py
+
+demo-vl: $(VENV)/.installed  ## tiny-vl learns a shapes corpus: stage 1, stage 2, colour accuracy
+	$(PY) entrypoints/demo_vl.py
 
 # tests/test_report.py renders the run report in Debian's headless chromium; as root this
 # installs it (quietly) if missing; otherwise, or if apt-get fails, it says why and `make test`

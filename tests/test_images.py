@@ -34,7 +34,7 @@ from ray_ppu.data.images import (
     load_image,
     resized_size,
 )
-from ray_ppu.train.batch import normalize
+from ray_ppu.model.pixels import normalize
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ray_ppu.data.images import ImageSpec
-from ray_ppu.train.batch import normalize
+from ray_ppu.model.pixels import normalize
 from ray_ppu.data.sft import sft_rows
 from ray_ppu.data.sft.image_samples import VisionData
 

@@ -4,7 +4,7 @@ Why: images are decoded by Ray Data CPU tasks, not by the training ranks, whose 
 accelerators. Each image travels to the ranks as uint8 ``[3, H, W]`` (:func:`load_image`): 4x
 fewer bytes than the float32 ``pixel_values`` of a Hugging Face processor, in the object store
 and on the wire. The rank makes those float32 values on its device
-(:func:`ray_ppu.train.batch.normalize`); this module imports no torch, so reader processes
+(:func:`ray_ppu.model.pixels.normalize`); this module imports no torch, so reader processes
 stay small.
 
 The values are bit-identical to the ``pixel_values`` of transformers' ``SiglipImageProcessor`` /
@@ -364,7 +364,7 @@ def load_image(source: Source, spec: ImageSpec, max_pixels: int, *,
 def value_table(spec: ImageSpec) -> np.ndarray:
     """[3, 256] float32, read-only: HF's value for each (channel, uint8 value), made by HF's
     numpy steps (rescale in float64, normalise in float32). The rank looks its uint8 pixels up
-    in it on the device (:func:`ray_ppu.train.batch.normalize`)."""
+    in it on the device (:func:`ray_ppu.model.pixels.normalize`)."""
     values = np.tile(np.arange(256, dtype=np.uint8), (3, 1))
     if spec.do_rescale:
         values = (values.astype(np.float64) * spec.rescale_factor).astype(np.float32)

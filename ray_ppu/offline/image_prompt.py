@@ -31,7 +31,7 @@ def pixel_values(paths: Sequence[str], vision: VisionConfig,
     """[n, 3, H, W] float32 pixel values of the images at ``paths``, by the image processor
     of ``model_dir`` (its preprocessor_config.json) or the encoder family's; a bad image is a
     ConfigError naming it."""
-    from ray_ppu.train.batch import normalize
+    from ray_ppu.model.pixels import normalize
 
     spec = image_spec(vision, model_dir)
     try:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import ConfigError
-from ray_ppu.plan import derived, lora, rules, vision
+from ray_ppu.plan import derived, rules, vision
 from ray_ppu.plan.arithmetic import (active_parameters, attention_flops_coefficient,
                                      trainable_stage_parameters,
                                      flops_per_iteration, stage_parameters)

@@ -7,8 +7,8 @@ records:
 
 * ``captions.jsonl`` — stage 1 (the projector learns to say what the image holds):
   ``{"image": ..., "caption": "A red circle on the left."}``;
-* ``train.jsonl`` / ``valid.jsonl`` — stage 2 (LLaVA conversations), one question per record
-  about the colour, the shape or the place;
+* ``train.jsonl`` / ``valid.jsonl`` — stage 2 (LLaVA conversations), one question per record:
+  half about the colour, the rest about the shape or the place;
 * ``heldout.jsonl`` — images no record names, with their truth: the colour accuracy of
   ``generate.py --image`` is measured on them (chance is one in six).
 
@@ -60,7 +60,8 @@ def _record(stage: int, name: str, truth: tuple, rng: random.Random) -> dict:
     colour, shape, place = truth
     if stage == 1:
         return {"image": name, "caption": f"A {colour} {shape} {place}."}
-    kind = rng.choice(list(QUESTIONS))
+    # half the questions ask the colour (what the demo scores), the rest the shape or place
+    kind = rng.choice(["colour", "colour", "shape", "place"])
     return {"image": name, "conversations": [
         {"from": "human", "value": f"<image>\n{QUESTIONS[kind]}"},
         {"from": "gpt", "value": answer(kind, *truth)}]}

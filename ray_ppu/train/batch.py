@@ -8,7 +8,6 @@ the block-diagonal mask (local attention) or the THD parameters (Transformer Eng
 
 from __future__ import annotations
 
-import functools
 import time
 from functools import partial
 from typing import Iterator, Optional
@@ -18,7 +17,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.utils import get_attr_wrapped_model
 
-from ray_ppu.data.images import value_table
+from ray_ppu.model.pixels import normalize
 
 Microbatch = dict  # tokens, labels, loss_mask, position_ids: [micro_batch_size, seq_length]
 _INT_KEYS = ("tokens", "labels", "position_ids")
@@ -45,23 +44,6 @@ def _images(data: Optional[dict], spec) -> torch.Tensor:
     counts = tensor_parallel.broadcast_data(["num_images"], data, torch.int64)["num_images"]
     used = torch.arange(pixels.shape[1], device=pixels.device) < counts[:, None]
     return normalize(pixels[used].view(-1, 3, spec.height, spec.width), spec)
-
-
-@functools.lru_cache(maxsize=8)
-def _device_table(spec, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(value_table(spec).copy()).to(device)
-
-
-def normalize(pixels: torch.Tensor, spec) -> torch.Tensor:
-    """uint8 ``[..., 3, H, W]`` on any device → HF's float32 ``pixel_values`` for them, on that
-    device, bit for bit (a lookup in :func:`ray_ppu.data.images.value_table`). With do_rescale
-    and do_normalize both false HF gives uint8: the same values come back as float32."""
-    if pixels.dtype != torch.uint8 or pixels.dim() < 3 or pixels.shape[-3] != 3:
-        raise ValueError(f"normalize takes uint8 [..., 3, H, W] pixels, got {pixels.dtype} "
-                         f"{list(pixels.shape)}")
-    index = pixels.to(torch.int64)
-    index += torch.arange(0, 3 * 256, 256, device=pixels.device).view(3, 1, 1)
-    return _device_table(spec, pixels.device).view(-1)[index]
 
 
 def packed_attention_mask(cu_seqlens: torch.Tensor, seq_length: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ decodes the sample's images (in the Ray Data task that packs the window: decodin
 that belongs beside the data, not on a training rank) and lays them out per row as fixed-shape
 columns: ``images`` uint8 ``[max_images_per_row, 3, H, W]`` (the first ``num_images`` filled,
 in the order their tokens appear) and ``num_images`` int32. uint8 is the wire format: 4x fewer
-bytes than float32; the rank normalises on its device (:func:`ray_ppu.train.batch.normalize`).
+bytes than float32; the rank normalises on its device (:func:`ray_ppu.model.pixels.normalize`).
 
 A row holds at most ``row_length // tokens_per_image`` images (every image's tokens are in
 the row), which fixes the column's width. A sample cut to the row length keeps whole images

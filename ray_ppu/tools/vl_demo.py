@@ -1,0 +1,74 @@
+"""The vision-language demo: tiny-vl learns to name the colour of a shape, in Bunny's two
+stages, on CPU in a few minutes (``entrypoints/demo_vl.py``, ``make demo-vl``).
+
+1. The shapes corpus (:mod:`ray_ppu.tools.shapes`) and the Qwen2 tokenizer, made locally.
+2. Stage 1: the projector alone learns to caption (ViT and language model frozen).
+3. Stage 2 starts from stage 1's weights: projector and language model learn to answer
+   questions about colour, shape and place (the ViT stays frozen).
+4. On held-out images, ``generate``'s greedy answer to "What colour is the shape?" is scored
+   against the truth: chance is one in six.
+
+Demo code, not part of the training path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ray_ppu.tools.shapes import COLOURS, QUESTIONS, write_corpus
+
+log = logging.getLogger("ray_ppu")
+
+
+def prepare(out: Path) -> dict:
+    """The corpus and tokenizer under ``out`` (made once; the paths either way)."""
+    from ray_ppu.data.tokenizer import export_qwen2_tokenizer
+
+    data = out / "data"
+    if not (data / "heldout.jsonl").is_file():
+        write_corpus(data)
+    paths = {"image_root": str(data / "images"),
+             **{name: str(data / f"{name}.jsonl")
+                for name in ("captions", "train", "valid", "heldout")}}
+    tokenizer = out / "tokenizer"
+    if not (tokenizer / "tokenizer.json").is_file():
+        export_qwen2_tokenizer(tokenizer)
+    paths["tokenizer"] = str(tokenizer)
+    return paths
+
+
+def colour_accuracy(checkpoint: str, heldout: str, image_root: str, tokenizer: str) -> dict:
+    """Greedy answers of the checkpoint to the colour question about each held-out image (one
+    process, the model loaded once): the share whose first word is the image's colour."""
+    import torch
+
+    from ray_ppu.model import parallel
+    from ray_ppu.offline import inference
+    from ray_ppu.offline.image_prompt import pixel_values, prompt_ids
+
+    source = inference.open_source(checkpoint)
+    cfg, plan = inference.inference_config(source.model, 1, device="cpu", vision=source.vision)
+    records = [json.loads(line) for line in open(heldout, encoding="utf-8")]
+    answers = []
+    with parallel.process_group("cpu"), inference.built_model(cfg, plan, "cpu") as chunks:
+        inference.load_weights(chunks, source, cfg, plan)
+        ids, stops = prompt_ids(tokenizer, QUESTIONS["colour"], 1, source.vision)
+        for record in records:
+            pixels = pixel_values([str(Path(image_root) / record["image"])], source.vision, None)
+            new, _ = inference.greedy(chunks, ids, source.model.vocab_size, torch.device("cpu"),
+                                      4, tuple(stops), pixels)
+            answers.append(_decode(tokenizer, new))
+    right = sum(a.split(".")[0].strip().lower() == r["colour"] for a, r in zip(answers, records))
+    return {"images": len(records), "right": right, "accuracy": right / len(records),
+            "chance": 1 / len(COLOURS), "examples": [
+                {"image": r["image"], "colour": r["colour"], "answer": a}
+                for r, a in list(zip(records, answers))[:6]]}
+
+
+def _decode(tokenizer: str, ids: list[int]) -> str:
+    from ray_ppu.data.tokenizer import load_tokenizer
+
+    text = load_tokenizer(tokenizer).decode(ids)
+    return text.split("<|im_end|>")[0].strip()
