@@ -132,26 +132,33 @@ def test_progress_line_shows_iteration_loss_lr_throughput_flops_mfu_eta():
 
 
 def test_packed_rows_count_the_real_sample_lengths():
-    """Attention FLOPs of packed rows: Σ length² of the samples, not seq_length² per row."""
-    from ray_ppu.train.loop import _flops_per_iteration, _Window
+    """Attention FLOPs of packed rows: Σ length² of the samples, not seq_length² per row; a
+    vision-language model's ViT FLOPs: the images the rows held, not one per sample."""
+    from ray_ppu.train.loop import _flops_per_iteration, _Window, _window_counts
     from ray_ppu.train.batch import TimedIterator
 
     cfg = load(None, ["data.dataset=sft", "data.data_path=[x]", "data.tokenizer=x",
                       "data.packing=true", "training.eval_iters=0", "training.train_iters=2",
                       "cluster.num_workers=1", "training.global_batch_size=2",
-                      "training.micro_batch_size=1", "training.seq_length=16"])
+                      "training.micro_batch_size=1", "training.seq_length=16",
+                      "model.preset=tiny-vl"])
     plan = build_plan(cfg)
-    rows = [{"cu_seqlens": [[0, 4, 16, 16]]}, {"cu_seqlens": [[0, 8, 12, 16]]}]  # one iteration
+    rows = [{"cu_seqlens": [[0, 4, 16, 16]], "num_images": [2]},  # one iteration: 3 images
+            {"cu_seqlens": [[0, 8, 12, 16]], "num_images": [1]}]
     timed = TimedIterator(iter(rows))
     list(timed)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        flops = _flops_per_iteration(plan, timed, _Window(start=0.0, iterations=1), torch.device("cpu"))
+        counts = _window_counts(plan, timed, _Window(start=0.0, iterations=1), torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+    flops = _flops_per_iteration(plan, *counts)
     squares = 4 ** 2 + 12 ** 2 + 8 ** 2 + 4 ** 2 + 4 ** 2
     dense = plan.flops_per_iteration - plan.attention_flops_coefficient * 2 * 16 ** 2
-    assert flops == pytest.approx(dense + plan.attention_flops_coefficient * squares)
+    assert counts == (squares, 3)
+    assert plan.flops_per_image > 0  # the plan counted 2 images: one per sample
+    assert flops == pytest.approx(dense + plan.attention_flops_coefficient * squares
+                                  + plan.flops_per_image)
     m = cfg.model
     assert plan.attention_flops_coefficient == 6 * m.num_layers * m.effective_kv_channels * m.num_attention_heads
 

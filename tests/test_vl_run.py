@@ -12,12 +12,10 @@ combination trains exactly its parts: tests/test_vl_model.py, test_vl_training.p
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
+from test_lora_training import _first_and_again, _run
 from ray_ppu.config.loader import load
 
 STAGE2_ITERS = 8
@@ -41,19 +39,6 @@ def _config(shapes, base, out, data, *extra):
         "training.micro_batch_size=1", "training.global_batch_size=4", "training.lr=2e-2",
         "training.min_lr=2e-3", "training.lr_warmup_iters=1", "training.eval_interval=4",
         "training.eval_iters=1", *extra]))
-
-
-def _run(cfg, action=None):
-    from test_checkpoint import _launch, launch_while
-
-    from ray_ppu.launch.output import prepare_output
-    from ray_ppu.plan import build_plan
-
-    plan = build_plan(cfg)
-    prepare_output(cfg, plan)
-    final = (launch_while(cfg, plan, action) if action else _launch(cfg, plan))[0]
-    rows = [json.loads(line) for line in open(Path(cfg.output.dir) / "metrics.jsonl")]
-    return {"cfg": cfg, "plan": plan, "final": final, "rows": rows}
 
 
 @pytest.fixture(scope="module")
@@ -88,21 +73,12 @@ def stage2(ray_cluster, converted, shapes, tiny_llava_dir, tmp_path_factory):
     return result
 
 
-def _losses(rows: list) -> tuple[dict, dict]:
-    """{iteration: loss} as first logged, and as logged again after a restart."""
-    first, again = {}, {}
-    for r in rows:
-        if "lm_loss" in r:
-            (again if r["iteration"] in first else first)[r["iteration"]] = r["lm_loss"]
-    return first, again
-
-
 @pytest.mark.slow
 def test_stage2_restores_exactly_from_memory(stage2):
     rows = stage2["rows"]
     restarts = [(r["iteration"], r["resumed_from"]) for r in rows if r.get("event") == "restart"]
     assert len(restarts) == 1 and restarts[0][0] == 4 and restarts[0][1].startswith("memory:")
-    first, again = _losses(rows)
+    first, again = _first_and_again(rows)
     assert sorted(first) == list(range(1, STAGE2_ITERS + 1)) and 5 in again, again
     for iteration, loss in again.items():
         assert loss == pytest.approx(first[iteration], abs=1e-6), iteration
