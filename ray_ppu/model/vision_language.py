@@ -124,7 +124,10 @@ def vision_settings(vision: VisionConfig, language: dict) -> dict:
                 normalization="LayerNorm", layernorm_epsilon=vision.norm_epsilon,
                 gated_linear_unit=False, add_bias_linear=True, add_qkv_bias=True,
                 hidden_dropout=0.0, attention_dropout=0.0,
-                apply_query_key_layer_scaling=False)
+                apply_query_key_layer_scaling=False,
+                # a tower drawn fresh (not loaded): LeCun-normal, as HF's SigLIP / CLIP draw
+                # theirs; the language model's small std (0.008) leaves image features ~1e-3
+                init_method_std=vision.hidden_size ** -0.5)
 
 
 def projector_settings(vision: VisionConfig, language: dict) -> dict:
@@ -133,7 +136,8 @@ def projector_settings(vision: VisionConfig, language: dict) -> dict:
     hidden = language["hidden_size"]
     return dict(_component_settings(language), num_layers=1, hidden_size=hidden,
                 ffn_hidden_size=hidden, num_attention_heads=language["num_attention_heads"],
-                gated_linear_unit=False, add_bias_linear=vision.projector_bias)
+                gated_linear_unit=False, add_bias_linear=vision.projector_bias,
+                init_method_std=vision.hidden_size ** -0.5)  # fan-in of its first linear
 
 
 class VisionLanguageModel(MegatronModule):

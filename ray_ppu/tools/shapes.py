@@ -38,7 +38,7 @@ def draw(colour: str, shape: str, place: str, rng: random.Random):
     background = tuple(rng.randint(200, 245) for _ in range(3))
     image = Image.new("RGB", (SIZE, SIZE), background)
     fx, fy = PLACES[place]
-    r = rng.uniform(0.13, 0.2) * SIZE
+    r = rng.uniform(0.2, 0.27) * SIZE  # large: the colour fills several of a small ViT's patches
     x, y = fx * SIZE + rng.uniform(-3, 3), fy * SIZE + rng.uniform(-3, 3)
     pen = ImageDraw.Draw(image)
     fill = COLOURS[colour]

@@ -3,8 +3,8 @@ stages, on CPU in a few minutes (``entrypoints/demo_vl.py``, ``make demo-vl``).
 
 1. The shapes corpus (:mod:`ray_ppu.tools.shapes`) and the Qwen2 tokenizer, made locally.
 2. Stage 1: the projector alone learns to caption (ViT and language model frozen).
-3. Stage 2 starts from stage 1's weights: projector and language model learn to answer
-   questions about colour, shape and place (the ViT stays frozen).
+3. Stage 2 starts from stage 1's weights: projector, language model and (random, not
+   pretrained, so it must) the ViT learn to answer questions about colour, shape and place.
 4. On held-out images, ``generate``'s greedy answer to "What colour is the shape?" is scored
    against the truth: chance is one in six.
 
