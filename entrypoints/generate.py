@@ -103,6 +103,12 @@ def prepare(args: argparse.Namespace) -> tuple:
                           f"--token-ids")
     else:
         prompt = tokenizer.encode(args.prompt)
+    if images is not None:
+        wanted = len(args.image) * source.vision.image_tokens
+        if prompt.count(source.vision.image_token_id) != wanted:
+            raise ConfigError(f"the prompt holds {prompt.count(source.vision.image_token_id)} "
+                              f"image tokens (id {source.vision.image_token_id}); "
+                              f"{len(args.image)} --image(s) take {wanted}")
     if not prompt or max(prompt) >= source.model.vocab_size or min(prompt) < 0:
         raise ConfigError(f"prompt token ids {prompt[:8]}…: expected 1 or more ids below "
                           f"vocab_size {source.model.vocab_size}")
