@@ -160,6 +160,37 @@ def test_training_at_tp2_and_pp2_gives_tp1s_losses(launched, stage):
             assert kept and moved and trainable > 0, (layout, rank)
 
 
+def test_export_without_its_source_ends_the_tower_at_the_feature_layer(llava_dirs, tmp_path):
+    """A checkpoint whose LLaVA source is gone (or a run from separate parts) exports the
+    layers it runs: a config whose tower ends at the feature layer, which transformers loads
+    with every tensor present and whose logits are the source model's."""
+    import shutil
+
+    from transformers import LlavaForConditionalGeneration
+
+    from conftest import REPO
+    from ray_ppu.offline.mcore_to_hf import export
+
+    source = tmp_path / "source"
+    shutil.copytree(llava_dirs["siglip_qwen2"], source)
+    proc = subprocess.run([sys.executable, str(REPO / "entrypoints" / "convert_checkpoint.py"),
+                           "hf-to-mcore", "--hf", str(source), "--out", str(tmp_path / "mcore")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.rmtree(source)
+    out = Path(export(tmp_path / "mcore", tmp_path / "exported")["out"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["num_hidden_layers"] == 2  # of 3: feature layer -2
+    assert config["vision_feature_layer"] == -1
+    model, info = LlavaForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    reference = torch.load(llava_dirs["siglip_qwen2"] / "reference.pt")
+    with torch.no_grad():
+        logits = model.eval()(input_ids=torch.tensor([reference["ids"]]),
+                              pixel_values=reference["pixels"]).logits[0]
+    assert (logits - reference["logits"]).abs().max() <= 1e-5
+
+
 def test_llava_config_json_gives_the_vision_section(llava_dirs):
     from ray_ppu.hf import config as hf_config
     from ray_ppu.hf.llava import llava_from_hf

@@ -219,7 +219,8 @@ def _export_image_parts(reader, stored: dict, model, vision, source_dir: Optiona
                         add: Callable) -> bool:
     """The ViT (layer by layer) and the projector; then, from the LLaVA directory the run
     started from, the tower's tensors LLaVA never runs (SigLIP's head, the post-norm, layers
-    after the feature layer), so that the whole tower goes back. Returns whether it did."""
+    after the feature layer), so that the whole tower goes back. Returns whether it did;
+    otherwise the exported tower ends at the feature layer."""
     layer_prefix = llava_weights.VISION + "decoder.layers."
     per_layer = sorted(k for k in stored if k.startswith(layer_prefix))
     written = set()
@@ -235,7 +236,19 @@ def _export_image_parts(reader, stored: dict, model, vision, source_dir: Optiona
         for name, part in llava_weights.image_to_hf(model, vision, key, None, tensor):
             add(name, part)
             written.add(name)
-    return llava_weights.copy_unused_tower(source_dir, vision, written, add)
+    if llava_weights.copy_unused_tower(source_dir, vision, written, add):
+        return True
+    # the tower's final LayerNorm, which LLaVA never runs (it reads the hidden states):
+    # written as the identity so that transformers finds every tensor it builds
+    prefix = llava_weights.EXPORT_NAMES.vision + "post_layernorm."
+    add(prefix + "weight", torch.ones(vision.hidden_size, dtype=stored_dtype(stored)))
+    add(prefix + "bias", torch.zeros(vision.hidden_size, dtype=stored_dtype(stored)))
+    return False
+
+
+def stored_dtype(stored: dict) -> torch.dtype:
+    """The dtype the checkpoint keeps its weights in (its patch convolution's)."""
+    return stored[llava_weights.VISION + "conv1.weight"][1]
 
 
 def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[str]:
