@@ -91,7 +91,7 @@ def prepare(args: argparse.Namespace) -> tuple:
     tokenizer = None
     if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         tokenizer = load_tokenizer(tokenizer_dir)
-    images, stops = _images(args, source, tokenizer_dir)
+    images, stops = _images(args, source, tokenizer_dir), ()
     if images is not None and token_ids is None:
         from ray_ppu.offline.image_prompt import prompt_ids
 
@@ -125,18 +125,18 @@ def prepare(args: argparse.Namespace) -> tuple:
             {"adapter": adapter, "trained": trained}, {"images": images, "stop": tuple(stops)})
 
 
-def _images(args: argparse.Namespace, source, tokenizer_dir) -> tuple:
-    """--image's pixel values (None without it) and, for a question, the stop ids (filled by
-    the prompt); a text model or a missing tokenizer is a ConfigError."""
+def _images(args: argparse.Namespace, source, tokenizer_dir):
+    """--image's pixel values (None without it); a text model or a missing tokenizer is a
+    ConfigError."""
     if not args.image:
-        return None, ()
+        return None
     if not source.vision.enabled:
         raise ConfigError(f"--image: {source.path} is a text model (no vision section)")
     if args.token_ids is None and tokenizer_dir is None:
         raise ConfigError(f"--image: no tokenizer for {source.path}: pass --tokenizer DIR")
     from ray_ppu.offline.image_prompt import pixel_values
 
-    return pixel_values(args.image, source.vision, source.hf_dir), ()
+    return pixel_values(args.image, source.vision, source.hf_dir)
 
 
 def _with_adapters(source, lora_dir: Optional[str]) -> tuple:

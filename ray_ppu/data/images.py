@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 import math
 import os
 import re
@@ -47,6 +48,7 @@ from ray_ppu.errors import ConfigError
 
 IMAGE_REASONS = ("missing_image", "unreadable_image", "empty_image", "image_too_large")
 MAX_PIXELS_SETTING = "data.max_image_pixels"  # the limit's name in image_too_large messages
+PROCESSOR_FILE = "preprocessor_config.json"  # a Hugging Face model's image processor
 
 # transformers.image_utils' OPENAI_CLIP_MEAN / _STD and IMAGENET_STANDARD_MEAN / _STD (SigLIP's).
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -376,6 +378,17 @@ def value_table(spec: ImageSpec) -> np.ndarray:
     table = np.ascontiguousarray(values, dtype=np.float32)
     table.flags.writeable = False  # shared by every caller through the cache
     return table
+
+
+def image_spec(vision, model_dir=None) -> ImageSpec:
+    """How a model's images are prepared: the image processor of ``model_dir``'s
+    preprocessor_config.json when there is one, else the encoder family's (SigLIP: squash to
+    the square; CLIP: short side, centre crop) at ``vision.image_size``."""
+    if model_dir and os.path.isfile(os.path.join(model_dir, PROCESSOR_FILE)):
+        path = os.path.join(model_dir, PROCESSOR_FILE)
+        with open(path, encoding="utf-8") as f:
+            return ImageSpec.from_hf(json.load(f), path)
+    return (ImageSpec.siglip if vision.encoder == "siglip" else ImageSpec.clip)(vision.image_size)
 
 
 def image_bytes_per_sample(spec: ImageSpec) -> int:

@@ -26,6 +26,12 @@ SPECS: dict[str, DeviceSpec] = {
 }
 
 
+def accelerator_of(device_name: str) -> str:
+    """The SPECS key of a device torch names (``torch.cuda.get_device_name``): an NVIDIA part
+    by its model, anything else CUDA-compatible taken for a PPU."""
+    return next((k for k in ("h200", "h100", "a100") if k in device_name.lower()), "ppu-810e")
+
+
 def peak_tflops(accelerator: str, override: "float | None" = None) -> float:
     """The MFU denominator: ``cluster.peak_tflops`` when set, else the table's bf16 peak."""
     return override or SPECS[accelerator].bf16_tflops

@@ -108,19 +108,18 @@ def _set_dtype(config: dict, dtype: str) -> dict:
 def llava_to_hf(model: ModelConfig, vision: VisionConfig, dtype: str,
                 base: Optional[dict] = None, whole_tower: bool = False) -> dict:
     """The ``config.json`` of an exported vision-language model. ``base``: the config.json the
-    run started from. A LLaVA one of this very model comes back as it was (its dtype set);
-    otherwise (the language model's config.json of a run from separate parts, or none) a
-    LLaVA config is made around the text config. ``whole_tower``: the export holds every
-    tensor of the base's vision tower; else the tower ends at the feature layer."""
+    run started from. ``whole_tower``: the export holds every tensor of the tower of ``base``,
+    a LLaVA config.json of this very model (:func:`ray_ppu.hf.llava_weights.copy_unused_tower`
+    checked it), which then comes back as it was, its dtype set. Otherwise a LLaVA config is
+    made around the text config (``base``: the language model's, or the LLaVA one's
+    text_config) with a tower that ends at the feature layer."""
     base = dict(base or {})
     text_base = base or None
     if is_llava(base):
         text_base = dict(base["text_config"])
         text_base.setdefault("tie_word_embeddings", base.get("tie_word_embeddings", False))
     text = hf_config.to_hf(model, dtype, text_base)  # checks the language model's shape
-    same = is_llava(base) and llava_from_hf(base, "the source config.json")[1].with_(
-        freeze=vision.freeze) == vision
-    if same and whole_tower:
+    if whole_tower:
         return {**_set_dtype(base, dtype), "text_config": _set_dtype(base["text_config"], dtype)}
     tied = not model.untie_embeddings_and_output_weights
     return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",

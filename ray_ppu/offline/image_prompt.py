@@ -17,13 +17,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from ray_ppu.config.schema import DataConfig
 from ray_ppu.config.vision import VisionConfig
-from ray_ppu.data.images import ImageProblem, load_image
-from ray_ppu.data.sft.image_samples import image_spec
+from ray_ppu.data.images import ImageProblem, image_spec, load_image
 from ray_ppu.errors import ConfigError
 
 IMAGE_TAG = "<image>"
-MAX_PIXELS = 50_000_000  # data.max_image_pixels' default
 
 
 def pixel_values(paths: Sequence[str], vision: VisionConfig,
@@ -35,7 +34,8 @@ def pixel_values(paths: Sequence[str], vision: VisionConfig,
 
     spec = image_spec(vision, model_dir)
     try:
-        pixels = [torch.from_numpy(load_image(p, spec, MAX_PIXELS)) for p in paths]
+        pixels = [torch.from_numpy(load_image(p, spec, DataConfig.max_image_pixels))
+                  for p in paths]
     except ImageProblem as problem:
         raise ConfigError(f"--image: {problem}") from None
     return normalize(torch.stack(pixels), spec)

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ray_ppu.data.images import PROCESSOR_FILE, image_spec
 from ray_ppu.errors import ConfigError
 from ray_ppu.hf import config as hf_config
 from ray_ppu.hf import llava, llava_weights, weights
@@ -27,7 +28,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
                    "chat_template.jinja", "chat_template.json")
 GENERATION_CONFIG = "generation_config.json"
-PROCESSOR_FILE = "preprocessor_config.json"  # a vision-language model's image processor
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -241,14 +241,10 @@ def _export_image_parts(reader, stored: dict, model, vision, source_dir: Optiona
     # the tower's final LayerNorm, which LLaVA never runs (it reads the hidden states):
     # written as the identity so that transformers finds every tensor it builds
     prefix = llava_weights.EXPORT_NAMES.vision + "post_layernorm."
-    add(prefix + "weight", torch.ones(vision.hidden_size, dtype=stored_dtype(stored)))
-    add(prefix + "bias", torch.zeros(vision.hidden_size, dtype=stored_dtype(stored)))
+    dtype = stored[llava_weights.VISION + "conv1.weight"][1]  # the tower's stored dtype
+    add(prefix + "weight", torch.ones(vision.hidden_size, dtype=dtype))
+    add(prefix + "bias", torch.zeros(vision.hidden_size, dtype=dtype))
     return False
-
-
-def stored_dtype(stored: dict) -> torch.dtype:
-    """The dtype the checkpoint keeps its weights in (its patch convolution's)."""
-    return stored[llava_weights.VISION + "conv1.weight"][1]
 
 
 def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[str]:
@@ -259,11 +255,7 @@ def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[st
         text = config.get("text_config", config)
         generation = {k: text[k] for k in ("bos_token_id", "eos_token_id") if k in text}
         (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-    if vision.enabled and PROCESSOR_FILE not in copied:
-        from ray_ppu.data.images import ImageSpec
-
-        family = ImageSpec.siglip if vision.encoder == "siglip" else ImageSpec.clip
-        (out / PROCESSOR_FILE).write_text(
-            json.dumps(family(vision.image_size).to_hf(), indent=2) + "\n")
+    if vision.enabled and PROCESSOR_FILE not in copied:  # the encoder family's processor
+        (out / PROCESSOR_FILE).write_text(json.dumps(image_spec(vision).to_hf(), indent=2) + "\n")
         copied.append(PROCESSOR_FILE)
     return copied

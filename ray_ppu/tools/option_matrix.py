@@ -205,14 +205,13 @@ def device(corpus: str, iters: int, out: Path, timeout: float) -> dict[str, dict
     """The device matrix on every visible GPU / PPU (CP needs two); prints the table."""
     import torch
 
-    from ray_ppu.devices.specs import SPECS
+    from ray_ppu.devices.specs import SPECS, accelerator_of
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmark.py device needs a CUDA(-compatible) device; this machine "
                          "has none (the CPU options: benchmark.py options)")
     nproc = torch.cuda.device_count()
-    name = torch.cuda.get_device_name(0).lower()
-    accelerator = next((k for k in ("h200", "h100", "a100") if k in name), "ppu-810e")
+    accelerator = accelerator_of(torch.cuda.get_device_name(0))
     variants = dict(DEVICE_VARIANTS)
     if nproc < 2:  # CP 2 needs two devices; say so instead of running it on one
         variants.pop("context_parallel_2")

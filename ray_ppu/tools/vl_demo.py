@@ -44,6 +44,7 @@ def colour_accuracy(checkpoint: str, heldout: str, image_root: str, tokenizer: s
     process, the model loaded once): the share whose first word is the image's colour."""
     import torch
 
+    from ray_ppu.data.tokenizer import load_tokenizer
     from ray_ppu.model import parallel
     from ray_ppu.offline import inference
     from ray_ppu.offline.image_prompt import pixel_values, prompt_ids
@@ -51,6 +52,7 @@ def colour_accuracy(checkpoint: str, heldout: str, image_root: str, tokenizer: s
     source = inference.open_source(checkpoint)
     cfg, plan = inference.inference_config(source.model, 1, device="cpu", vision=source.vision)
     records = [json.loads(line) for line in open(heldout, encoding="utf-8")]
+    decoder = load_tokenizer(tokenizer)
     answers = []
     with parallel.process_group("cpu"), inference.built_model(cfg, plan, "cpu") as chunks:
         inference.load_weights(chunks, source, cfg, plan)
@@ -59,16 +61,9 @@ def colour_accuracy(checkpoint: str, heldout: str, image_root: str, tokenizer: s
             pixels = pixel_values([str(Path(image_root) / record["image"])], source.vision, None)
             new, _ = inference.greedy(chunks, ids, source.model.vocab_size, torch.device("cpu"),
                                       4, tuple(stops), pixels)
-            answers.append(_decode(tokenizer, new))
+            answers.append(decoder.decode(new).split("<|im_end|>")[0].strip())
     right = sum(a.split(".")[0].strip().lower() == r["colour"] for a, r in zip(answers, records))
     return {"images": len(records), "right": right, "accuracy": right / len(records),
             "chance": 1 / len(COLOURS), "examples": [
                 {"image": r["image"], "colour": r["colour"], "answer": a}
                 for r, a in list(zip(records, answers))[:6]]}
-
-
-def _decode(tokenizer: str, ids: list[int]) -> str:
-    from ray_ppu.data.tokenizer import load_tokenizer
-
-    text = load_tokenizer(tokenizer).decode(ids)
-    return text.split("<|im_end|>")[0].strip()

@@ -17,18 +17,14 @@ only: it is cut before an image whose tokens would not all fit.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
-from ray_ppu.data.images import ImageProblem, ImageSpec, load_image
+from ray_ppu.data.images import ImageProblem, ImageSpec, image_spec, load_image
 from ray_ppu.data.sft.records import RecordProblem
-
-PROCESSOR_FILE = "preprocessor_config.json"
-
 
 @dataclass(frozen=True)
 class VisionData:
@@ -54,17 +50,6 @@ class VisionData:
     def slots(self, row_length: int) -> int:
         """Images a row can hold: ``row_length // tokens_per_image``."""
         return row_length // self.tokens_per_image
-
-
-def image_spec(vision, model_dir=None) -> ImageSpec:
-    """How a model's images are prepared: the image processor of ``model_dir``'s
-    preprocessor_config.json when there is one, else the encoder family's (SigLIP: squash to
-    the square; CLIP: short side, centre crop) at ``vision.image_size``."""
-    if model_dir and os.path.isfile(os.path.join(model_dir, PROCESSOR_FILE)):
-        path = os.path.join(model_dir, PROCESSOR_FILE)
-        with open(path, encoding="utf-8") as f:
-            return ImageSpec.from_hf(json.load(f), path)
-    return (ImageSpec.siglip if vision.encoder == "siglip" else ImageSpec.clip)(vision.image_size)
 
 
 def vision_data(cfg) -> VisionData:

@@ -80,12 +80,12 @@ def device(corpus: str, iters: int, out: Path, timeout: float) -> dict:
     """The device part: EP 1 and EP = the devices on every visible GPU / PPU, with MFU."""
     import torch
 
-    from ray_ppu.devices.specs import SPECS
+    from ray_ppu.devices.specs import SPECS, accelerator_of
 
     require_cuda("benchmark.py device's MoE part")
     nproc = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0)
-    accelerator = next((k for k in ("h200", "h100", "a100") if k in name.lower()), "ppu-810e")
+    accelerator = accelerator_of(name)
     # EP holds whole experts and divides the ranks (DP is a multiple of it)
     ep = max(d for d in range(1, nproc + 1) if DEVICE_EXPERTS % d == 0 and nproc % d == 0)
     runs = {"ep1": []}

@@ -134,13 +134,13 @@ def device(out: Path, iters: int, timeout: float) -> dict:
 
     import torch
 
-    from ray_ppu.devices.specs import SPECS
+    from ray_ppu.devices.specs import SPECS, accelerator_of
     from ray_ppu.tools import vl_demo
     from ray_ppu.tools.bench.common import metrics_rows
 
     nproc = torch.cuda.device_count()
     name = torch.cuda.get_device_name(0)
-    accelerator = next((k for k in ("h200", "h100", "a100") if k in name.lower()), "ppu-810e")
+    accelerator = accelerator_of(name)
     paths = vl_demo.prepare(out)
     run = out / "run"
     overrides = [*DEVICE_RUN, "data.dataset=sft", f"data.data_path=[{paths['train']}]",
