@@ -50,13 +50,16 @@ def main() -> None:
         variants = json.loads(Path(args.variants).read_text())
     base = load(args.config, args.overrides)
     backend = devices.resolve(base.cluster.device)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "ppu":  # before NCCL and the memory counters: both need this rank's device
+        torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=devices.dist_backend(backend))
     try:
         for name, extra in variants.items():
             out = [f"output.dir={Path(base.output.dir) / name}"] if name else []
             cfg = absolute_paths(load(args.config, [*args.overrides, *extra, *out]))
             if backend == "ppu":  # each variant's own peak, on this rank's device
-                torch.cuda.reset_peak_memory_stats(int(os.environ.get("LOCAL_RANK", 0)))
+                torch.cuda.reset_peak_memory_stats(local_rank)
             final = train(cfg, backend)
             if dist.get_rank() == 0:
                 print(json.dumps({"variant": name, "final": final} if name else {"final": final}))

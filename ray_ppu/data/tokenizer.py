@@ -25,7 +25,7 @@ import functools
 import json
 import logging
 import time
-from importlib import resources
+import importlib.util
 from pathlib import Path
 
 from ray_ppu.util.fs import atomic_write_text
@@ -112,10 +112,12 @@ def _qwen2_ranks() -> dict[bytes, int]:
         from tiktoken.load import load_tiktoken_bpe
     except ImportError as err:  # pragma: no cover - the demo/test extras install it
         raise RuntimeError("the Qwen2 tokenizer needs `pip install tiktoken dashscope`") from err
-    try:
-        ranks_file = resources.files("dashscope") / "resources" / "qwen.tiktoken"
-    except ModuleNotFoundError as err:  # pragma: no cover
-        raise RuntimeError("the Qwen2 tokenizer needs `pip install tiktoken dashscope`") from err
+    # Only the data file is read: finding the package does not run it (importing dashscope
+    # costs ~0.8 s and pulls its web-client stack, which a training image may not carry).
+    spec = importlib.util.find_spec("dashscope")
+    if spec is None or not spec.submodule_search_locations:  # pragma: no cover
+        raise RuntimeError("the Qwen2 tokenizer needs `pip install tiktoken dashscope`")
+    ranks_file = Path(spec.submodule_search_locations[0]) / "resources" / "qwen.tiktoken"
     return load_tiktoken_bpe(str(ranks_file))
 
 
