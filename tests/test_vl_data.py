@@ -1,5 +1,5 @@
-"""Image-text SFT records → rows with image tokens and uint8 pixels (in-process pipeline; the
-Ray path runs the same window function).
+"""Image-text SFT records → rows with image tokens and the images' file bytes, decoded to
+uint8 pixels as a reader does (in-process pipeline; the Ray path runs the same window function).
 
 The records are real files: PNG / JPEG images drawn with Pillow, referred to by the three
 forms users have (LLaVA / ShareGPT conversations, chat messages + images, caption pairs),
@@ -15,7 +15,7 @@ import torch
 from ray_ppu.data.images import ImageSpec
 from ray_ppu.model.pixels import normalize
 from ray_ppu.data.sft import sft_rows
-from ray_ppu.data.sft.image_samples import VisionData
+from ray_ppu.data.sft.image_samples import VisionData, decode_rows
 
 IMAGE_ID = 151655  # Qwen2's <|image_pad|>
 TOKENS = 16
@@ -60,9 +60,18 @@ def test_three_record_forms_give_image_tokens_and_pixels(image_dir, qwen2_tokeni
          "images": ["blue.jpg", str(image_dir / "red.png")]},  # relative and absolute
         {"image": "palette.png", "caption": "A flat colour."},
     ]
-    rows, summary = sft_rows(records, qwen2_tokenizer_dir, 128, vision=_vision(image_dir))
+    vision = _vision(image_dir)
+    stored, summary = sft_rows(records, qwen2_tokenizer_dir, 128, vision=vision)
     assert summary["samples_used"] == 3 and summary["dropped_total"] == 0
-    assert list(rows["num_images"]) == [1, 2, 1]
+    assert list(stored["num_images"]) == [1, 2, 1]
+    # rows keep the files' bytes, in token order; a reader decodes them
+    files = [["red.png"], ["blue.jpg", "red.png"], ["palette.png"]]
+    for r, names in enumerate(files):
+        data = [(image_dir / name).read_bytes() for name in names]
+        assert stored["image_bytes"][r] == b"".join(data)
+        assert list(stored["image_lengths"][r]) == [len(d) for d in data] + [0] * (8 - len(data))
+    rows = decode_rows(stored, vision)
+    assert "image_bytes" not in rows and "image_lengths" not in rows
     assert rows["images"].shape == (3, 128 // TOKENS, 3, 32, 32) and rows["images"].dtype == np.uint8
     for r, n in enumerate(rows["num_images"]):
         places = rows["tokens"][r] == IMAGE_ID
@@ -152,8 +161,9 @@ def test_huge_image_is_refused_by_its_header(image_dir, qwen2_tokenizer_dir):
 
 def test_packing_keeps_each_rows_images_in_token_order(image_dir, qwen2_tokenizer_dir):
     records = [_ask(name, f"Q{i}") for i, name in enumerate(["red.png", "blue.jpg"] * 3)]
-    rows, summary = sft_rows(records, qwen2_tokenizer_dir, 160, packing=True,
-                             vision=_vision(image_dir))
+    vision = _vision(image_dir)
+    rows, summary = sft_rows(records, qwen2_tokenizer_dir, 160, packing=True, vision=vision)
+    rows = decode_rows(rows, vision)
     assert summary["samples_used"] == 6 and rows["images"].shape[1] == 160 // TOKENS
     assert int(rows["num_images"].sum()) == 6
     for r, n in enumerate(rows["num_images"]):

@@ -108,3 +108,32 @@ def test_stage2_checkpoint_exports_with_the_frozen_tower_untouched(stage2, tiny_
     assert tower and not moved & tower  # frozen: bit-identical
     assert {n for n in original if n.startswith("multi_modal_projector.")} <= moved
     assert len(moved) == len(original) - len(tower)  # everything else trained
+
+
+@pytest.mark.slow
+def test_the_cache_keeps_the_image_files_and_readers_decode_them(stage2, shapes):
+    """The prepared rows hold each image's file bytes (not 8x larger pixels); the reader's
+    read gives the pixels the image processor's code gives for the file."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from ray_ppu.data import sft_store
+    from ray_ppu.data.images import load_image
+    from ray_ppu.plan import build_plan
+
+    cfg = stage2["cfg"]
+    spec = sft_store.spec_for(cfg, build_plan(cfg))
+    split = spec.split_dir("train")
+    meta = json.loads((split / sft_store.META).read_text())
+    assert meta["columns"]["image_bytes"] == [[], sft_store.BYTES] and "images" not in meta["columns"]
+    files = [Path(shapes["image_root"]) / json.loads(line)["image"]
+             for line in Path(shapes["train"]).read_text().splitlines()]
+    assert meta["rows"] == len(files)  # one question per row, none dropped, in file order
+    assert (split / "image_bytes.bin").stat().st_size == sum(f.stat().st_size for f in files)
+    rows = sft_store.read(spec, np.array([0, 5, len(files) + 2]))  # ids cycle over the rows
+    assert rows["images"].shape == (3, 4, 3, 32, 32) and list(rows["num_images"]) == [1, 1, 1]
+    for slot, row in zip(rows["images"], (0, 5, 2)):
+        assert np.array_equal(slot[0], load_image(files[row], spec.vision.spec, 10**8))
+        assert not slot[1:].any()

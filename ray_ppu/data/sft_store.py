@@ -26,12 +26,13 @@ from typing import Optional
 
 import numpy as np
 
-from ray_ppu.data.sft.image_samples import VisionData, vision_data
+from ray_ppu.data.sft.image_samples import VisionData, decode_rows, vision_data
 from ray_ppu.errors import remote_cause
 
 log = logging.getLogger("ray_ppu")
 
 META = "meta.json"
+BYTES = "bytes"  # a column's dtype in meta.json: variable-length bytes per row (images)
 SPLITS = ("train", "valid")
 
 
@@ -49,7 +50,7 @@ class SFTSpec:
     cache_dir: str
     train_samples: int
     valid_samples: int = 0
-    vision: Optional[VisionData] = None  # a vision-language model's images (rows hold pixels)
+    vision: Optional[VisionData] = None  # a vision-language model's images (rows hold file bytes)
 
     def paths(self, split: str) -> tuple[str, ...]:
         return {"train": self.train_paths, "valid": self.valid_paths}[split]
@@ -62,6 +63,8 @@ class SFTSpec:
         key = {k: v for k, v in dataclasses.asdict(self).items()
                if k not in ("cache_dir", "train_samples", "valid_samples")}
         key["split"], key["paths"] = split, self.paths(split)
+        if self.vision is not None:  # caches of the earlier layout held decoded pixels
+            key["images_stored_as"] = "file bytes"
         for k in ("train_paths", "valid_paths"):
             key.pop(k)
         digest = hashlib.md5(json.dumps(key, sort_keys=True).encode(), usedforsecurity=False)
@@ -118,21 +121,31 @@ def _write_split(spec: SFTSpec, split: str) -> dict:
 
 
 def _write_columns(ds, out: Path) -> tuple[dict, int]:
-    """Append every column of ``ds``'s rows to ``out/<column>.bin``; (shapes, rows)."""
+    """Append every column of ``ds``'s rows to ``out/<column>.bin``; (shapes, rows). A column
+    of bytes (a row's images) is one blob, with ``<column>.offsets.bin`` int64 ``[rows + 1]``."""
     files: dict = {}
     shapes: dict = {}
+    ends: dict = {}  # a bytes column's offsets (8 bytes a row: 4.5 MB for 558K rows)
     rows = 0
     try:
         for batch in ds.iter_batches(batch_size=256, batch_format="numpy"):
             for key, value in batch.items():
                 if key not in files:
                     files[key] = open(out / f"{key}.bin", "wb")
-                    shapes[key] = (list(value.shape[1:]), value.dtype.str)
-                files[key].write(np.ascontiguousarray(value).tobytes())
+                    shapes[key] = ([], BYTES) if value.dtype == object else (
+                        list(value.shape[1:]), value.dtype.str)
+                if value.dtype == object:
+                    ends.setdefault(key, [0]).extend(files[key].tell() + np.cumsum(
+                        [len(v) for v in value]))
+                    files[key].write(b"".join(value))
+                else:
+                    files[key].write(np.ascontiguousarray(value).tobytes())
             rows += len(next(iter(batch.values())))
     finally:
         for f in files.values():
             f.close()
+    for key, offsets in ends.items():
+        np.asarray(offsets, np.int64).tofile(out / f"{key}.offsets.bin")
     return shapes, rows
 
 
@@ -196,21 +209,44 @@ def summaries(spec: SFTSpec) -> dict[str, dict]:
     return found
 
 
+class _Blobs:
+    """A bytes column: row ``i`` is ``blob[offsets[i]:offsets[i + 1]]``."""
+
+    def __init__(self, path: Path, rows: int):
+        self.offsets = np.fromfile(path.with_suffix(".offsets.bin"), np.int64)
+        # np.memmap refuses an empty file (rows whose records had no image)
+        self.blob = (np.memmap(path, np.uint8, mode="r") if self.offsets[-1]
+                     else np.zeros(0, np.uint8))
+        assert len(self.offsets) == rows + 1, (path, len(self.offsets), rows)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        out = np.empty(len(rows), object)
+        out[:] = [self.blob[self.offsets[r]:self.offsets[r + 1]].tobytes() for r in rows]
+        return out
+
+
 @functools.lru_cache(maxsize=8)
-def dataset(spec: SFTSpec, split: str = "train") -> dict[str, np.ndarray]:
+def dataset(spec: SFTSpec, split: str = "train") -> dict:
     """This process's memory maps of one split's columns (``[rows, ...]`` each)."""
     out = spec.split_dir(split)
     meta = json.loads((out / META).read_text())
-    return {key: np.memmap(out / f"{key}.bin", dtype=np.dtype(dtype), mode="r",
-                           shape=(meta["rows"], *shape))
+    return {key: _Blobs(out / f"{key}.bin", meta["rows"]) if dtype == BYTES else
+            np.memmap(out / f"{key}.bin", dtype=np.dtype(dtype), mode="r",
+                      shape=(meta["rows"], *shape))
             for key, (shape, dtype) in meta["columns"].items()}
 
 
 def read(spec: SFTSpec, sample_ids: np.ndarray, split: str = "train") -> dict[str, np.ndarray]:
-    """Rows ``sample_ids`` of ``split`` (cycling: id modulo the row count), every column."""
+    """Rows ``sample_ids`` of ``split`` (cycling: id modulo the row count), every column; a
+    vision-language row's images decoded to pixels (here, in the reader process)."""
     columns = dataset(spec, split)
     n = len(next(iter(columns.values())))
     ids = np.asarray(sample_ids, dtype=np.int64)
     out = {key: np.array(col[ids % n]) for key, col in columns.items()}
+    if spec.vision is not None:
+        out = decode_rows(out, spec.vision)
     out["sample_id"] = ids  # the run's sample number (for output.sample_log), not the row
     return out

@@ -18,7 +18,7 @@ import numpy as np
 
 from ray_ppu.data.sft.chat_encoder import ChatEncoder
 from ray_ppu.data.sft.files import file_entries, open_local, problem_or_raise, resolve_sft_inputs, windows
-from ray_ppu.data.sft.image_samples import (VisionData, check_fit, decode, image_columns,
+from ray_ppu.data.sft.image_samples import (VisionData, check_fit, image_columns, read_images,
                                             whole_images)
 from ray_ppu.data.sft.records import (DROP_REASONS, RecordProblem, check_image_tags,
                                       conversation_from_record, record_images)
@@ -126,8 +126,8 @@ def _check_images(entry: tuple, options: SFTOptions) -> None:
 
 
 def _sample(entry: tuple, encoded: tuple, options: SFTOptions) -> tuple:
-    """The sample of one encoded conversation (with its images' pixels, for a vision-language
-    model); a RecordProblem when it cannot be used."""
+    """The sample of one encoded conversation (with its images' file bytes, for a
+    vision-language model); a RecordProblem when it cannot be used."""
     length = options.row_length
     ids, mask = encoded
     vision, images = options.vision, (entry[3] if len(entry) > 3 else [])
@@ -143,7 +143,7 @@ def _sample(entry: tuple, encoded: tuple, options: SFTOptions) -> tuple:
                             f"{length}")
     if vision is None:
         return sample
-    return (*sample, decode(vision.resolve(images, entry[4]), vision))
+    return (*sample, read_images(vision.resolve(images, entry[4]), vision))
 
 
 def _rows(samples: list, encoder: ChatEncoder, options: SFTOptions) -> dict:
