@@ -1,13 +1,15 @@
-"""Bunny's stage 2 of tiny-vl under Ray Train, on the shapes corpus (ray_ppu.tools.shapes).
+"""Bunny's stage 2 of tiny-vl with LoRA under Ray Train, on the shapes corpus (ray_ppu.tools.shapes).
 
 The run starts from a ray_ppu checkpoint of a Hugging Face LLaVA directory (hf-to-mcore; a
 stage-1 run's checkpoint is loaded the same way: checkpoint.load + finetune, the freeze set
-changed) and trains projector and language model on question-answer records at TP 2 with
-in-memory snapshots; a worker is SIGKILLed after iteration 5 and the group restores iteration
-4 from memory: each iteration trained again gives the loss it gave the first time. Its
-checkpoint, exported to Hugging Face, keeps the frozen ViT bit-identical to the source. (That
-TP 2 and PP 2 compute what TP 1 does for stage 1 and stage 2, and every freeze × LoRA
-combination trains exactly its parts: tests/test_vl_model.py, test_vl_training.py.)
+changed) and trains the projector in full and the language model through LoRA adapters, on
+question-answer records at TP 2 with in-memory snapshots; a worker is SIGKILLed after
+iteration 5 and the group restores iteration 4 from memory (adapters and projector from the
+snapshot, the frozen base re-read): each iteration trained again gives the loss it gave the
+first time. Its checkpoint, merged and exported to Hugging Face, keeps the frozen ViT
+bit-identical to the source and loads in transformers. (That TP 2 and PP 2 compute what TP 1
+does for stage 1 and stage 2 in full, and every freeze × LoRA combination trains exactly its
+parts: tests/test_vl_model.py, test_vl_training.py.)
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def stage2(ray_cluster, converted, shapes, tiny_llava_dir, tmp_path_factory):
     cfg = _config(shapes, tiny_llava_dir, out, shapes["train"],
                   f"checkpoint.load={converted}",
                   "checkpoint.finetune=true", "model.preset=tiny-vl", "vision.freeze=[vision]",
+                  "lora.enabled=true", "lora.rank=8", "lora.alpha=16",
                   "parallel.tensor_model_parallel_size=2", f"training.train_iters={STAGE2_ITERS}",
                   "checkpoint.memory_interval=4", "cluster.max_failures=1")
     from test_checkpoint import kill_a_worker_at
@@ -92,22 +95,32 @@ def test_stage2_restores_exactly_from_memory(stage2):
 
 
 @pytest.mark.slow
-def test_stage2_checkpoint_exports_with_the_frozen_tower_untouched(stage2, tiny_llava_dir,
-                                                                    tmp_path):
+def test_stage2_lora_checkpoint_merges_into_a_llava_model(stage2, tiny_llava_dir, tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
     from ray_ppu.checkpoint.layout import latest, save_root
+    from ray_ppu.errors import ConfigError
     from ray_ppu.hf.files import read_all
-    from ray_ppu.offline.mcore_to_hf import export
+    from ray_ppu.offline.lora_export import export_merged, export_peft
 
     _, meta = latest(save_root(stage2["cfg"]))  # it records the vision section export reads
     assert meta.vision["encoder"] == "siglip" and meta.vision["freeze"] == ["vision"]
-    summary = export(save_root(stage2["cfg"]), tmp_path / "hf")
-    original, trained = dict(read_all(tiny_llava_dir)), dict(read_all(summary["out"]))
-    assert sorted(original) == sorted(trained)
-    moved = {n for n, t in original.items() if not torch.equal(t, trained[n])}
+    with pytest.raises(ConfigError, match="vision-language LoRA run: export it with --merge"):
+        export_peft(save_root(stage2["cfg"]), tmp_path / "peft")
+    summary = export_merged(save_root(stage2["cfg"]), tmp_path / "hf")
+    original, merged = dict(read_all(tiny_llava_dir)), dict(read_all(summary["out"]))
+    assert sorted(original) == sorted(merged)
+    moved = {n for n, t in original.items() if not torch.equal(t, merged[n])}
     tower = {n for n in original if n.startswith("vision_tower.")}
+    projector = {n for n in original if n.startswith("multi_modal_projector.")}
+    adapted = {n for n in original if n.startswith("language_model.model.layers.")
+               and n.endswith("proj.weight")}  # q k v o gate up down: LoRA's default targets
     assert tower and not moved & tower  # frozen: bit-identical
-    assert {n for n in original if n.startswith("multi_modal_projector.")} <= moved
-    assert len(moved) == len(original) - len(tower)  # everything else trained
+    assert moved == projector | adapted, moved ^ (projector | adapted)  # norms, embedding kept
+    hf = LlavaForConditionalGeneration.from_pretrained(summary["out"])
+    pixels = torch.zeros(1, 3, 32, 32)
+    ids = torch.tensor([[hf.config.image_token_id] * 16 + [1, 2, 3]])
+    assert torch.isfinite(hf(input_ids=ids, pixel_values=pixels).logits).all()
 
 
 @pytest.mark.slow
@@ -137,3 +150,17 @@ def test_the_cache_keeps_the_image_files_and_readers_decode_them(stage2, shapes)
     for slot, row in zip(rows["images"], (0, 5, 2)):
         assert np.array_equal(slot[0], load_image(files[row], spec.vision.spec, 10**8))
         assert not slot[1:].any()
+
+
+def test_a_hugging_face_llava_base_is_merged_through_a_converted_copy(tiny_llava_dir, tmp_path):
+    """A VL LoRA run from checkpoint.pretrained merges onto its LLaVA base converted to a
+    temporary ray_ppu checkpoint: that copy exports back bit-identical."""
+    from ray_ppu.hf.files import read_all
+    from ray_ppu.offline.lora_export import _as_mcore
+    from ray_ppu.offline.mcore_to_hf import export
+
+    with _as_mcore({"kind": "hf", "path": str(tiny_llava_dir)}, tiny_llava_dir) as base:
+        summary = export(base, tmp_path / "hf")
+    original, exported = dict(read_all(tiny_llava_dir)), dict(read_all(summary["out"]))
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(t, exported[n]) for n, t in original.items())

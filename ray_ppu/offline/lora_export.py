@@ -16,8 +16,10 @@ adapters are read one layer at a time, whatever layout saved them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,10 +28,10 @@ import torch
 
 from ray_ppu.config.lora import LoraConfig, is_adapter_key
 from ray_ppu.errors import ConfigError
-from ray_ppu.hf import peft, weights
+from ray_ppu.hf import llava_weights, peft, weights
 from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, Checkpoint, ShardedWriter
-from ray_ppu.offline.mcore_to_hf import (DTYPES, GENERATION_CONFIG, TOKENIZER_FILES, _reader,
-                                         export, hf_dtype_name, read_regions, stored_tensors)
+from ray_ppu.offline.mcore_to_hf import (DTYPES, GENERATION_CONFIG, TOKENIZER_FILES, _layer_slabs,
+                                         _reader, _whole, export, hf_dtype_name, stored_tensors)
 from ray_ppu.offline.source import Source, open_source
 
 # target → the Megatron weight its delta adds to
@@ -49,36 +51,45 @@ def lora_source(path: str | Path) -> tuple[Source, LoraConfig]:
 
 
 _MODEL_PREFIXES = ("decoder", "embedding", "output_layer")  # not optimizer, rng, scheduler
+_IMAGE_PREFIXES = (llava_weights.VISION, llava_weights.PROJECTOR)
 
 
 class _Trained:
     """What a LoRA checkpoint holds, one layer's slab at a time: adapters, and the base parts
-    the run trained (``lora.trainable``)."""
+    the run trained (``lora.trainable``; a vision-language run's unfrozen ViT or projector).
+    Language keys are given without a vision-language model's ``language_model.`` prefix, as
+    the text mapping names them; image parts keep their full keys."""
 
     def __init__(self, source: Source) -> None:
         self.reader = _reader(source.path)
         self.stored = stored_tensors(self.reader)
-        model_keys = [k for k in self.stored if k.split(".")[0] in _MODEL_PREFIXES]
-        self.parts = [k for k in model_keys if not is_adapter_key(k)]
+        self.prefix = llava_weights.LANGUAGE if source.vision.enabled else ""
+        language = [k for k in self.stored if k.startswith(self.prefix)
+                    and k[len(self.prefix):].split(".")[0] in _MODEL_PREFIXES]
+        self.parts = [k[len(self.prefix):] for k in language if not is_adapter_key(k)]
+        self.image_parts = [k for k in self.stored if k.startswith(_IMAGE_PREFIXES)]
+
+    def _read(self, keys: list[str], layer: Optional[int]) -> dict[str, torch.Tensor]:
+        """{key: its slab of ``layer`` (None: the whole tensor)}."""
+        if layer is None:
+            return _whole(self.reader, self.stored, keys)
+        return _layer_slabs(self.reader, self.stored, keys, layer)
 
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
-        """{key: slab of ``layer``} of every per-layer tensor stored."""
-        keys = [k for k in self.stored if k.startswith("decoder.layers.")]  # no optimizer's
-        regions = {k: ((layer,) + (0,) * (len(self.stored[k][0]) - 1),
-                       torch.empty((1, *self.stored[k][0][1:]), dtype=self.stored[k][1]))
-                   for k in keys}
-        read_regions(self.reader, regions)
-        return {k: t[0] for k, (_, t) in regions.items()}
+        """{key: slab of ``layer``} of every per-layer language tensor stored."""
+        start = self.prefix + "decoder.layers."  # no optimizer's
+        slabs = self._read([k for k in self.stored if k.startswith(start)], layer)
+        return {k[len(self.prefix):]: t for k, t in slabs.items()}
 
     def globals(self) -> dict[str, torch.Tensor]:
         """{key: tensor} of trained base tensors outside the layers (embedding, output layer,
         final norm)."""
-        keys = [k for k in self.parts if not k.startswith("decoder.layers.")]
-        regions = {k: ((0,) * len(self.stored[k][0]), torch.empty(self.stored[k][0],
-                                                                   dtype=self.stored[k][1]))
-                   for k in keys}
-        read_regions(self.reader, regions)
-        return {k: t for k, (_, t) in regions.items()}
+        keys = [self.prefix + k for k in self.parts if not k.startswith("decoder.layers.")]
+        return {k[len(self.prefix):]: t for k, t in self._read(keys, None).items()}
+
+    def image_part(self, key: str, layer: Optional[int], tensor: torch.Tensor) -> torch.Tensor:
+        """The trained ViT / projector tensor ``key`` (``layer``'s slab), else ``tensor``."""
+        return self._read([key], layer)[key] if key in self.image_parts else tensor
 
 
 def _adapters(slabs: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -96,6 +107,9 @@ def export_peft(checkpoint: str | Path, out: str | Path) -> dict:
     started = time.perf_counter()
     source, lora = lora_source(checkpoint)
     model = source.model
+    if source.vision.enabled:
+        raise ConfigError(f"{source.path} is a vision-language LoRA run: export it with "
+                          f"--merge (a LLaVA model); PEFT adapters for LLaVA are not written yet")
     trained = _Trained(source)
     if trained.parts:
         raise ConfigError(f"{source.path} also trained {', '.join(lora.trainable)} (full "
@@ -137,14 +151,16 @@ def export_merged(checkpoint: str | Path, out: str | Path, dtype: Optional[str] 
     source, lora = lora_source(checkpoint)
     base = source.meta.base or {}
     trained = _Trained(source)
-    if base.get("kind") == "mcore":
-        summary = export(base["path"], out, dtype, tokenizer or source.hf_dir, max_shard_bytes,
-                         adjust=_Adjust(source.model, lora, trained))
-        return {**summary, "checkpoint": str(source.path), "base": base["path"],
-                "format": "merged", "seconds": time.perf_counter() - started}
     base_dir = Path(base.get("path") or source.meta.hf_source or "")
-    if not (base_dir / "config.json").is_file():
+    if base.get("kind") != "mcore" and not (base_dir / "config.json").is_file():
         raise ConfigError(f"{source.path}: its base {base_dir} is not there (a merge reads it)")
+    if base.get("kind") == "mcore" or source.vision.enabled:
+        with _as_mcore(base, base_dir) as base_checkpoint:
+            summary = export(base_checkpoint, out, dtype, tokenizer or source.hf_dir,
+                             max_shard_bytes, adjust=_Adjust(source.model, lora, trained),
+                             adjust_image=trained.image_part)
+        return {**summary, "checkpoint": str(source.path), "base": base.get("path"),
+                "format": "merged", "seconds": time.perf_counter() - started}
     out = Path(out).expanduser().resolve()
     if any(out.glob("*.safetensors")) or (out / INDEX_FILE).exists():
         raise ConfigError(f"{out} already holds safetensors weights: merge into an empty or new "
@@ -182,6 +198,23 @@ def export_merged(checkpoint: str | Path, out: str | Path, dtype: Optional[str] 
     return {"checkpoint": str(source.path), "base": str(base_dir), "out": str(out),
             "format": "merged", "files": [f.name for f in files], "bytes": writer.total,
             "dtype": hf_dtype_name(out_dtype), "seconds": time.perf_counter() - started}
+
+
+@contextlib.contextmanager
+def _as_mcore(base: dict, base_dir: Path):
+    """The base as a ray_ppu checkpoint: itself, or a Hugging Face LLaVA base converted into a
+    temporary one (its ViT and projector are then exported through the same path as the
+    language model's merged weights)."""
+    if base.get("kind") == "mcore":
+        yield base["path"]
+        return
+    from ray_ppu.model import parallel
+    from ray_ppu.offline.hf_to_mcore import to_mcore
+
+    with tempfile.TemporaryDirectory(prefix="ray_ppu_merge_") as tmp, \
+            parallel.process_group("cpu"):
+        to_mcore(base_dir, tmp)
+        yield tmp
 
 
 class _Adjust:

@@ -103,10 +103,12 @@ def _copy_side_files(sources: list[Path], out: Path) -> list[str]:
 
 def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = None,
            tokenizer: Optional[str | Path] = None,
-           max_shard_bytes: int = MAX_SHARD_BYTES, adjust: Optional[Callable] = None) -> dict:
+           max_shard_bytes: int = MAX_SHARD_BYTES, adjust: Optional[Callable] = None,
+           adjust_image: Optional[Callable] = None) -> dict:
     """Write the Hugging Face form of a ray_ppu checkpoint into ``out``; returns a summary.
-    ``adjust(key, layer, tensor, expert)``: each Megatron tensor as written (a LoRA merge adds
-    its adapters there: :mod:`ray_ppu.offline.lora_export`).
+    ``adjust(key, layer, tensor, expert)``: each language Megatron tensor as written (a LoRA
+    merge adds its adapters there: :mod:`ray_ppu.offline.lora_export`); ``adjust_image(key,
+    layer, tensor)`` likewise each ViT / projector tensor (the parts a LoRA run trained).
 
     1. The checkpoint's model config (its meta), stored keys and shapes; every tensor the
        model needs must be there.
@@ -148,7 +150,8 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     whole_tower = False
     if vision.enabled:
         whole_tower = _export_image_parts(reader, stored, model, vision, source.hf_dir,
-                                          lambda name, t: writer.add(name, t.to(out_dtype)))
+                                          lambda name, t: writer.add(name, t.to(out_dtype)),
+                                          adjust_image or (lambda key, layer, tensor: tensor))
     files = writer.close()
 
     base = source.meta.hf_config
@@ -216,7 +219,7 @@ def _export_language(reader, stored: dict, model, prefix: str, emit: Callable) -
 
 
 def _export_image_parts(reader, stored: dict, model, vision, source_dir: Optional[Path],
-                        add: Callable) -> bool:
+                        add: Callable, adjust: Callable) -> bool:
     """The ViT (layer by layer) and the projector; then, from the LLaVA directory the run
     started from, the tower's tensors LLaVA never runs (SigLIP's head, the post-norm, layers
     after the feature layer), so that the whole tower goes back. Returns whether it did;
@@ -226,6 +229,7 @@ def _export_image_parts(reader, stored: dict, model, vision, source_dir: Optiona
     written = set()
     for layer in range(vision.layers_built):
         for key, slab in _layer_slabs(reader, stored, per_layer, layer).items():
+            slab = adjust(key, layer, slab)
             for name, part in llava_weights.image_to_hf(model, vision, key, layer, slab):
                 add(name, part)
                 written.add(name)
@@ -233,6 +237,7 @@ def _export_image_parts(reader, stored: dict, model, vision, source_dir: Optiona
                                                        llava_weights.PROJECTOR))
                     and not k.startswith(layer_prefix))
     for key, tensor in _whole(reader, stored, others).items():
+        tensor = adjust(key, None, tensor)
         for name, part in llava_weights.image_to_hf(model, vision, key, None, tensor):
             add(name, part)
             written.add(name)

@@ -56,19 +56,20 @@ def answer(kind: str, colour: str, shape: str, place: str) -> str:
             "place": f"{place[0].upper()}{place[1:]}."}[kind]
 
 
-def _record(stage: int, name: str, truth: tuple, rng: random.Random) -> dict:
+def _record(stage: int, name: str, truth: tuple, rng: random.Random,
+            kinds: tuple[str, ...]) -> dict:
     colour, shape, place = truth
     if stage == 1:
         return {"image": name, "caption": f"A {colour} {shape} {place}."}
-    # half the questions ask the colour (what the demo scores), the rest the shape or place
-    kind = rng.choice(["colour", "colour", "shape", "place"])
+    kind = rng.choice(kinds)
     return {"image": name, "conversations": [
         {"from": "human", "value": f"<image>\n{QUESTIONS[kind]}"},
         {"from": "gpt", "value": answer(kind, *truth)}]}
 
 
 def write_corpus(root: str | Path, train: int = 512, valid: int = 64, heldout: int = 60,
-                 seed: int = 0) -> dict:
+                 seed: int = 0, kinds: tuple[str, ...] = ("colour", "colour", "shape", "place")
+                 ) -> dict:
     """Draw the images under ``root/images`` and write the four record files; returns
     their paths ({"image_root", "captions", "train", "valid", "heldout"})."""
     root = Path(root)
@@ -84,9 +85,9 @@ def write_corpus(root: str | Path, train: int = 512, valid: int = 64, heldout: i
                 files["heldout"].append({"image": name, "colour": truth[0], "shape": truth[1],
                                          "place": truth[2]})
                 continue
-            files[split].append(_record(2, name, truth, rng))
+            files[split].append(_record(2, name, truth, rng, kinds))
             if split == "train":
-                files["captions"].append(_record(1, name, truth, rng))
+                files["captions"].append(_record(1, name, truth, rng, kinds))
     paths = {"image_root": str(root / "images")}
     for name, records in files.items():
         paths[name] = str(root / f"{name}.jsonl")

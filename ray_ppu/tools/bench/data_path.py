@@ -72,7 +72,6 @@ def consumed_tokens_per_s(seq_length: int, global_batch_size: int, data_ranks: i
 
 def run(corpus_prefix: Path, cache: Path, data_ranks: int, seq_length: int,
         global_batch_size: int, iters: int, json_path: str | None) -> dict:
-    import psutil
     import ray
 
     from ray_ppu.data import idxmap, reader_pool
@@ -85,36 +84,23 @@ def run(corpus_prefix: Path, cache: Path, data_ranks: int, seq_length: int,
     t0 = time.perf_counter()
     idxmap.prepare(spec)
     print(f"indices ready in {time.perf_counter() - t0:.1f} s", flush=True)
-    per_node = reader_pool.readers_per_node(0, data_ranks)
-    dp, mbs = data_ranks, 1
-    window = reader_pool.window(4, global_batch_size // dp)
     starts = {"train": (0, iters), "valid": (0, 2)}
-    ray.init(address="local", num_cpus=max(4, per_node + 2), resources={"PPU": data_ranks},
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=max(4, reader_pool.readers_per_node(0, data_ranks) + 2),
+             resources={"PPU": data_ranks}, log_to_driver=False)
     try:
-        node = ray.get_runtime_context().get_node_id()
-        source = {"manifest": str(idxmap.manifest(spec))}
-        first = reader_pool.first_requests(list(range(dp)), dp, global_batch_size, mbs, starts,
-                                           window)
-        asked = time.perf_counter()
-        handles = reader_pool.start(source, "bench", [node], per_node, 0.5)
-        reader_pool.read_ahead(handles, per_node, first)
-        pool = reader_pool.node_readers(source, "bench", per_node, 0.5)
-        results = _stream_all(pool, dp, global_batch_size, mbs, starts, window, asked)
-        pids = ray.get([h.ready.remote() for h in handles])
-        procs = [psutil.Process(p) for p in pids]
-        cpu = sum(sum(p.cpu_times()[:2]) for p in procs)
-        pss = [p.memory_full_info().pss / 2**20 for p in procs]
+        node = stream_node({"manifest": str(idxmap.manifest(spec))}, data_ranks,
+                           global_batch_size, starts)
     finally:
         ray.shutdown()
+    results = node["ranks"]
     samples = sum(r["samples"] for r in results)
     tokens_per_rank = [r["samples"] * seq_length / r["seconds"] for r in results]
     figures = {
         "data_ranks": data_ranks, "seq_length": seq_length,
         "global_batch_size": global_batch_size, "iterations": iters,
-        "reader_processes": len(procs),
-        "reader_pss_mb_total": sum(pss), "reader_pss_mb_max": max(pss),
-        "reader_cpu_s_per_1000_samples": 1000 * cpu / samples,
+        "reader_processes": len(node["pss_mb"]),
+        "reader_pss_mb_total": sum(node["pss_mb"]), "reader_pss_mb_max": max(node["pss_mb"]),
+        "reader_cpu_s_per_1000_samples": 1000 * node["cpu_s"] / samples,
         "first_batch_s_max": max(r["first_batch_s"] for r in results),
         "first_batch_s_median": statistics.median(r["first_batch_s"] for r in results),
         "tokens_per_s_per_rank": min(tokens_per_rank),
@@ -128,9 +114,35 @@ def run(corpus_prefix: Path, cache: Path, data_ranks: int, seq_length: int,
     return figures
 
 
+def stream_node(source: dict, data_ranks: int, global_batch_size: int, starts: dict) -> dict:
+    """One node's readers of ``source`` started on the connected Ray as a launch starts them
+    (then the first iterations read ahead), and every data rank's streams read at once (mbs
+    1, TP 1): {"ranks": per-rank first batch, samples, seconds; "pss_mb" and "cpu_s" of the
+    reader processes}."""
+    import psutil
+    import ray
+
+    from ray_ppu.data import reader_pool
+
+    per_node = reader_pool.readers_per_node(0, data_ranks)
+    dp, mbs = data_ranks, 1
+    window = reader_pool.window(4, global_batch_size // dp)
+    node = ray.get_runtime_context().get_node_id()
+    first = reader_pool.first_requests(list(range(dp)), dp, global_batch_size, mbs, starts, window)
+    asked = time.perf_counter()
+    handles = reader_pool.start(source, "bench", [node], per_node, 0.5)
+    reader_pool.read_ahead(handles, per_node, first)
+    pool = reader_pool.node_readers(source, "bench", per_node, 0.5)
+    ranks = _stream_all(pool, dp, global_batch_size, mbs, starts, window, asked)
+    procs = [psutil.Process(p) for p in ray.get([h.ready.remote() for h in handles])]
+    return {"ranks": ranks, "cpu_s": sum(sum(p.cpu_times()[:2]) for p in procs),
+            "pss_mb": [p.memory_full_info().pss / 2**20 for p in procs]}
+
+
 def _stream_all(pool: list, dp: int, gbs: int, mbs: int, starts: dict, window: int,
                 asked: float) -> list[dict]:
-    """Every rank's train stream (timed) and validation stream (its first batch), at once."""
+    """Every rank's train stream (timed) and validation stream if any (its first batch), at
+    once."""
     from ray_ppu.data.reader_pool import RankStream
 
     results: list = [None] * dp
@@ -140,7 +152,8 @@ def _stream_all(pool: list, dp: int, gbs: int, mbs: int, starts: dict, window: i
         try:
             streams = {split: RankStream(pool, split, first, stop, dp_rank, dp, gbs, mbs, window)
                        for split, (first, stop) in starts.items()}
-            next(streams["valid"])
+            if "valid" in streams:
+                next(streams["valid"])
             first_valid = time.perf_counter() - asked
             batch = next(streams["train"])
             first_train = time.perf_counter() - asked

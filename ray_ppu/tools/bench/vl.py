@@ -10,6 +10,14 @@ MFU of a PPU), and what the two give: the CPUs a 16-PPU node needs for decoding.
 and store bytes of one image in uint8 (what ray_ppu ships) against float32 (an HF
 processor's output). CPU time is counted (``time.process_time``), so a busy machine slows the
 wall clock, not the figure.
+
+Then the same photos as LLaVA records go the whole data path of one 16-PPU node at the
+llava-qwen2.5-7b layout (Bunny's shape: seq 1024, one image of 729 tokens per row, gbs 128 =
+16 DP x 8): Ray Data prepares the rows (each image read and checked once; the store keeps its
+file bytes), the node's reader processes start as a launch starts them and decode every
+rank's images while 16 rank threads read (:func:`ray_ppu.tools.bench.data_path.stream_node`):
+the store's bytes per image against decoded pixels, the reader processes' PSS, the time to
+every rank's first batch, and images/s per rank delivered against consumed.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ PPU_PEAK = 123e12  # bf16 FLOP/s of one PPU (the seed's MFU denominator)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", default="outputs/benchmark_vl", help="images and records")
     parser.add_argument("--images", type=int, default=200)
+    parser.add_argument("--iters", type=int, default=3,
+                        help="iterations the 16 ranks read through the readers")
     parser.add_argument("--json", help="write the figures here")
 
 
@@ -110,8 +120,64 @@ def main(args) -> dict:
           f"CPUs of decoding ({figures['seed_cpus_per_node']:.2f} at the seed's rate)")
     print(f"one image on the wire / in the store: {figures['image_bytes_uint8'] / 1024:.0f} KiB "
           f"uint8 vs {figures['image_bytes_float32'] / 1024:.0f} KiB float32 (4.0x)")
+    figures.update(_reader_figures(work, paths, args.iters, need["samples_per_s_per_ppu"]))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+def _reader_figures(work: Path, photos: list[Path], iters: int, consumed: float) -> dict:
+    """The photos through Ray Data and one node's readers (see the module docstring)."""
+    import ray
+
+    from ray_ppu.config.loader import load
+    from ray_ppu.data import reader_pool, sft_store
+    from ray_ppu.data.images import image_bytes_per_sample
+    from ray_ppu.data.tokenizer import export_qwen2_tokenizer
+    from ray_ppu.plan import build_plan
+    from ray_ppu.tools.bench.data_path import stream_node
+
+    records = work / "photos.jsonl"
+    records.write_text("".join(json.dumps({"image": p.name, "conversations": [
+        {"from": "human", "value": "<image>\nWhat is in the picture?"},
+        {"from": "gpt", "value": "Coloured ellipses on a gradient."}]}) + "\n" for p in photos))
+    tokenizer = work / "tokenizer"
+    if not (tokenizer / "tokenizer.json").is_file():
+        export_qwen2_tokenizer(tokenizer)
+    gbs = 128  # 16 DP x mbs 8, Bunny's
+    cfg = load(None, ["model.preset=llava-qwen2.5-7b", "cluster.num_workers=16",
+                      "data.dataset=sft", f"data.data_path=[{records}]",
+                      f"data.image_root={photos[0].parent}", f"data.tokenizer={tokenizer}",
+                      f"data.index_cache_dir={work / 'cache'}", "training.seq_length=1024",
+                      "training.micro_batch_size=8", f"training.global_batch_size={gbs}",
+                      f"training.train_iters={iters}", "training.eval_iters=0"])
+    spec = sft_store.spec_for(cfg, build_plan(cfg))
+    ray.init(address="local", num_cpus=4, resources={"PPU": 16}, log_to_driver=False)
+    try:
+        started = time.perf_counter()
+        rows = sft_store.prepare(spec)["train"]
+        prepared = time.perf_counter() - started
+        node = stream_node({"sft": spec}, 16, gbs, {"train": (0, iters)})
+    finally:
+        ray.shutdown()
+    stored = (spec.split_dir("train") / "image_bytes.bin").stat().st_size / rows
+    ranks = node["ranks"]
+    figures = {"prepare_s": prepared, "rows": rows, "store_bytes_per_image": stored,
+               "decoded_bytes_per_image": image_bytes_per_sample(spec.vision.spec),
+               "reader_processes": len(node["pss_mb"]), "reader_pss_mb_max": max(node["pss_mb"]),
+               "reader_cpu_s_per_image": node["cpu_s"] / sum(r["samples"] for r in ranks),
+               "first_batch_s_max": max(r["first_batch_s"] for r in ranks),
+               "images_per_s_per_rank": min(r["samples"] / r["seconds"] for r in ranks),
+               "consumed_images_per_s_per_rank": consumed}
+    print(f"Ray Data prepared {rows} rows in {prepared:.1f} s; the store keeps "
+          f"{stored / 1024:.0f} KiB per image (its file) against "
+          f"{figures['decoded_bytes_per_image'] / 1024:.0f} KiB of pixels")
+    print(f"16 data ranks, {iters} iterations of gbs {gbs}: {figures['reader_processes']} reader "
+          f"processes, {figures['reader_pss_mb_max']:.0f} MB PSS the largest, "
+          f"{1e3 * figures['reader_cpu_s_per_image']:.1f} ms of reader CPU per image; first "
+          f"batch after {figures['first_batch_s_max']:.2f} s; "
+          f"{figures['images_per_s_per_rank']:.1f} images/s per rank (slowest) vs "
+          f"{consumed:.2f} consumed")
     return figures
 
 
