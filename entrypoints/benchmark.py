@@ -11,7 +11,7 @@
     python entrypoints/benchmark.py moe [--iters 10] [--json FILE] [--corpus PREFIX] [key=value ...]
     python entrypoints/benchmark.py hf-load [--sizes-gb 1 2 4] [--ranks 2] [--dir DIR]
     python entrypoints/benchmark.py lora [--rank 16] [--iters 3] [--dir DIR] [--json FILE]
-    python entrypoints/benchmark.py vl [--images 200] [--dir DIR] [--json FILE]
+    python entrypoints/benchmark.py vl [--images 200] [--iters 3] [--tiny-iters 12] [--dir DIR] [--json FILE]
 
 ``overhead``: the same tiny training run under Ray Train (a local Ray the run starts, and a job
 joining a Ray already running) and under plain torchrun (in-process reads), alternated:

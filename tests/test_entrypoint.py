@@ -52,6 +52,7 @@ def _unexpected(output: str) -> list[str]:
     return [line for line in lines if line and not any(p.search(line) for p in ALLOWED)]
 
 
+@pytest.mark.faults  # 53 s of the default suite's 10-minute budget: `make test-faults`
 def test_stop_signal_ends_the_job_and_its_workers(tmp_path):
     """The demo (its corpus built the way users build theirs, with Ray Data), stopped with
     SIGTERM after a few iterations; its whole output holds only allowed lines."""

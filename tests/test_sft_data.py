@@ -455,3 +455,29 @@ def test_ray_dataset_equals_in_process(ray_cluster, qwen2_tokenizer_dir, encoder
         _collect(ds)
     err = remote_cause(info.value, (PreprocessError,))
     assert err is not None and str(err).startswith(f"{data / 'part-00000.jsonl'}: line 12: invalid JSON")
+
+
+def test_a_data_file_edited_in_place_gets_new_rows(qwen2_tokenizer_dir, tmp_path):
+    """The prepared rows are cached by their inputs' paths, sizes and modification times: an
+    edited file is tokenized again, an untouched one (train here) keeps its rows."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.data import sft_store
+    from ray_ppu.plan import build_plan
+
+    train, valid = tmp_path / "train.jsonl", tmp_path / "valid.jsonl"
+    record = {"instruction": "Say hi.", "output": "Hi."}
+    for path in (train, valid):
+        path.write_text(json.dumps(record) + "\n")
+
+    def spec():
+        cfg = load(None, ["data.dataset=sft", f"data.data_path=[{train}]",
+                          f"data.valid_data_path=[{valid}]", f"data.tokenizer={qwen2_tokenizer_dir}",
+                          f"data.index_cache_dir={tmp_path / 'cache'}", "training.seq_length=64",
+                          "training.train_iters=2"])
+        return sft_store.spec_for(cfg, build_plan(cfg))
+
+    before = spec()
+    valid.write_text(json.dumps({**record, "output": "Hello."}) + "\n")
+    after = spec()
+    assert after.split_dir("valid") != before.split_dir("valid")
+    assert after.split_dir("train") == before.split_dir("train")

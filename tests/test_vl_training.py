@@ -42,14 +42,15 @@ def _config(tmp_path, tokenizer_dir, frozen, lora, pretrained):
 @pytest.fixture(scope="module")
 def rows(image_dir, qwen2_tokenizer_dir):  # noqa: F811
     from ray_ppu.data.sft import sft_rows
-    from ray_ppu.data.sft.image_samples import vision_data
+    from ray_ppu.data.sft.image_samples import decode_rows, vision_data
 
     cfg = load(None, ["model.preset=tiny-vl", f"data.image_root={image_dir}"])
     records = [_ask("red.png", "Which colour?", "Red."), _ask("blue.jpg", "And this?", "Blue.")]
-    rows, summary = sft_rows(records, qwen2_tokenizer_dir, 128, vision=vision_data(cfg),
+    vision = vision_data(cfg)
+    rows, summary = sft_rows(records, qwen2_tokenizer_dir, 128, vision=vision,
                              max_padding_length=128)
     assert summary["samples_used"] == 2 and list(rows["num_images"]) == [1, 1]
-    return rows
+    return decode_rows(rows, vision)  # the pixels a reader sends
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 
 from ray_ppu.data.sft.image_samples import VisionData, decode_rows, vision_data
-from ray_ppu.errors import remote_cause
+from ray_ppu.errors import PreprocessError, remote_cause
 
 log = logging.getLogger("ray_ppu")
 
@@ -51,6 +51,7 @@ class SFTSpec:
     train_samples: int
     valid_samples: int = 0
     vision: Optional[VisionData] = None  # a vision-language model's images (rows hold file bytes)
+    inputs: tuple = ()  # (split, file, size, mtime_ns) of each input file: one edited in place is re-read
 
     def paths(self, split: str) -> tuple[str, ...]:
         return {"train": self.train_paths, "valid": self.valid_paths}[split]
@@ -63,6 +64,7 @@ class SFTSpec:
         key = {k: v for k, v in dataclasses.asdict(self).items()
                if k not in ("cache_dir", "train_samples", "valid_samples")}
         key["split"], key["paths"] = split, self.paths(split)
+        key["inputs"] = [entry for entry in self.inputs if entry[0] == split]
         if self.vision is not None:  # caches of the earlier layout held decoded pixels
             key["images_stored_as"] = "file bytes"
         for k in ("train_paths", "valid_paths"):
@@ -87,7 +89,22 @@ def spec_for(cfg, plan) -> SFTSpec:
         train_samples=plan.train_samples,
         valid_samples=plan.valid_samples,
         vision=vision_data(cfg) if cfg.vision.enabled else None,
+        inputs=_fingerprint("train", d.data_path) + _fingerprint("valid", d.valid_data_path),
     )
+
+
+def _fingerprint(split: str, paths: list[str]) -> tuple:
+    """(split, file, size, mtime_ns) of each input file of ``split``; none when they do not
+    resolve (preparing them then names the problem)."""
+    from ray_ppu.data.readers import resolve_inputs
+
+    if not paths:
+        return ()
+    try:
+        stats = [(f, os.stat(f)) for f in resolve_inputs(paths)]
+    except (OSError, PreprocessError):
+        return ()
+    return tuple((split, f, st.st_size, st.st_mtime_ns) for f, st in stats)
 
 
 def _write_split(spec: SFTSpec, split: str) -> dict:

@@ -131,12 +131,14 @@ def stream_node(source: dict, data_ranks: int, global_batch_size: int, starts: d
     first = reader_pool.first_requests(list(range(dp)), dp, global_batch_size, mbs, starts, window)
     asked = time.perf_counter()
     handles = reader_pool.start(source, "bench", [node], per_node, 0.5)
+    # opened (its imports and memory maps), before any read: the PSS a reader starts with
+    procs = [psutil.Process(p) for p in ray.get([h.ready.remote() for h in handles])]
+    opened = [p.memory_full_info().pss / 2**20 for p in procs]
     reader_pool.read_ahead(handles, per_node, first)
     pool = reader_pool.node_readers(source, "bench", per_node, 0.5)
     ranks = _stream_all(pool, dp, global_batch_size, mbs, starts, window, asked)
-    procs = [psutil.Process(p) for p in ray.get([h.ready.remote() for h in handles])]
     return {"ranks": ranks, "cpu_s": sum(sum(p.cpu_times()[:2]) for p in procs),
-            "pss_mb": [p.memory_full_info().pss / 2**20 for p in procs]}
+            "pss_mb": [p.memory_full_info().pss / 2**20 for p in procs], "pss_mb_opened": opened}
 
 
 def _stream_all(pool: list, dp: int, gbs: int, mbs: int, starts: dict, window: int,

@@ -17,7 +17,8 @@ llava-qwen2.5-7b layout (Bunny's shape: seq 1024, one image of 729 tokens per ro
 file bytes), the node's reader processes start as a launch starts them and decode every
 rank's images while 16 rank threads read (:func:`ray_ppu.tools.bench.data_path.stream_node`):
 the store's bytes per image against decoded pixels, the reader processes' PSS, the time to
-every rank's first batch, and images/s per rank delivered against consumed.
+every rank's first batch, and images/s per rank delivered against consumed. Last, tiny-vl's
+step time in the demo's setting (2 CPU workers under Ray Train, stage 2 on the shapes corpus).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--images", type=int, default=200)
     parser.add_argument("--iters", type=int, default=3,
                         help="iterations the 16 ranks read through the readers")
+    parser.add_argument("--tiny-iters", type=int, default=12,
+                        help="iterations of the tiny-vl run (0: skip it)")
     parser.add_argument("--json", help="write the figures here")
 
 
@@ -121,6 +124,8 @@ def main(args) -> dict:
     print(f"one image on the wire / in the store: {figures['image_bytes_uint8'] / 1024:.0f} KiB "
           f"uint8 vs {figures['image_bytes_float32'] / 1024:.0f} KiB float32 (4.0x)")
     figures.update(_reader_figures(work, paths, args.iters, need["samples_per_s_per_ppu"]))
+    if args.tiny_iters:
+        figures.update(_tiny_vl_step(work, args.tiny_iters))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return figures
@@ -165,6 +170,7 @@ def _reader_figures(work: Path, photos: list[Path], iters: int, consumed: float)
     figures = {"prepare_s": prepared, "rows": rows, "store_bytes_per_image": stored,
                "decoded_bytes_per_image": image_bytes_per_sample(spec.vision.spec),
                "reader_processes": len(node["pss_mb"]), "reader_pss_mb_max": max(node["pss_mb"]),
+               "reader_pss_mb_opened": max(node["pss_mb_opened"]),
                "reader_cpu_s_per_image": node["cpu_s"] / sum(r["samples"] for r in ranks),
                "first_batch_s_max": max(r["first_batch_s"] for r in ranks),
                "images_per_s_per_rank": min(r["samples"] / r["seconds"] for r in ranks),
@@ -173,11 +179,43 @@ def _reader_figures(work: Path, photos: list[Path], iters: int, consumed: float)
           f"{stored / 1024:.0f} KiB per image (its file) against "
           f"{figures['decoded_bytes_per_image'] / 1024:.0f} KiB of pixels")
     print(f"16 data ranks, {iters} iterations of gbs {gbs}: {figures['reader_processes']} reader "
-          f"processes, {figures['reader_pss_mb_max']:.0f} MB PSS the largest, "
+          f"processes, {figures['reader_pss_mb_max']:.0f} MB PSS the largest (opened: "
+          f"{figures['reader_pss_mb_opened']:.0f} MB), "
           f"{1e3 * figures['reader_cpu_s_per_image']:.1f} ms of reader CPU per image; first "
           f"batch after {figures['first_batch_s_max']:.2f} s; "
           f"{figures['images_per_s_per_rank']:.1f} images/s per rank (slowest) vs "
           f"{consumed:.2f} consumed")
+    return figures
+
+
+def _tiny_vl_step(work: Path, iters: int) -> dict:
+    """tiny-vl's median step (after two) in the demo's stage 2: 2 CPU workers, Ray Train."""
+    import shutil
+    import statistics
+    import subprocess
+    import sys
+
+    from ray_ppu.tools import vl_demo
+    from ray_ppu.tools.bench.common import metrics_rows
+
+    paths = vl_demo.prepare(work / "demo")
+    run = work / "tiny_vl"
+    shutil.rmtree(run, ignore_errors=True)  # a finished run would resume, done
+    proc = subprocess.run(
+        [sys.executable, "entrypoints/pretrain.py", "--config", "entrypoints/configs/demo-vl.yaml",
+         f"data.data_path=[{paths['train']}]", f"data.valid_data_path=[{paths['valid']}]",
+         f"data.image_root={paths['image_root']}", f"data.tokenizer={paths['tokenizer']}",
+         "vision.freeze=[]", f"training.train_iters={iters}", "training.log_interval=1",
+         "training.eval_iters=0", "checkpoint.enabled=false", "output.tensorboard=false",
+         f"output.dir={run}"], capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"the tiny-vl run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = [r for r in metrics_rows(run) if "lm_loss" in r][2:]  # the first two: warm-up
+    figures = {"tiny_vl_step_s": statistics.median(r["step_time_s"] for r in rows),
+               "tiny_vl_images_per_s": statistics.median(r["images_per_s"] for r in rows)}
+    print(f"tiny-vl, the demo's stage 2 (2 CPU workers, gbs 16): "
+          f"{1e3 * figures['tiny_vl_step_s']:.0f} ms per step, "
+          f"{figures['tiny_vl_images_per_s']:.1f} images/s")
     return figures
 
 
