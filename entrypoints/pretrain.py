@@ -137,6 +137,7 @@ def main(argv=None) -> int:
         return 2 if problems else 0
 
     from ray_ppu.launch.launcher import connect, launch, shutdown
+    from ray_ppu.monitor.trackers import feeding
 
     started = False
     try:
@@ -147,7 +148,14 @@ def main(argv=None) -> int:
 
             started = connect(cfg)  # the Ray (with simulated PPUs) the run will use too
             build_demo_corpus(Path(cfg.data.data_path[0]).parent)
-        final = launch(cfg, plan)
+        with feeding(cfg, plan) as trackers:  # None without output.trackers
+            final = launch(cfg, plan)
+            report = _report(cfg)
+            if trackers is not None:
+                status = "KILLED" if "stopped_at" in final else "FINISHED"  # SIGTERM: saved
+                final["trackers"] = trackers.finish(status, [
+                    *(Path(cfg.output.dir) / n for n in ("config.yaml", "plan.json")),
+                    *([report] if report else [])])
     except UserError as err:  # config, cluster, corpus, checkpoint: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -157,14 +165,21 @@ def main(argv=None) -> int:
     finally:
         if started:
             shutdown()
-    if cfg.output.report:
-        from ray_ppu.monitor.report import write_report
-
-        logging.info("run report: %s", write_report(cfg.output.dir))
     print(json.dumps({"final": final}))
     if "stopped_at" in final:  # SIGTERM: saved and stopped early; the same command resumes
         return 143
     return 0
+
+
+def _report(cfg):
+    """The run report (``output.report``): its path, or None."""
+    if not cfg.output.report:
+        return None
+    from ray_ppu.monitor.report import write_report
+
+    path = write_report(cfg.output.dir)
+    logging.info("run report: %s", path)
+    return path
 
 
 if __name__ == "__main__":

@@ -234,6 +234,20 @@ class OutputConfig:
     """Record the sample ids every iteration trained on, per data-reading rank, in
     <dir>/samples/rank_NNNNN.jsonl (an audit of the data the run saw; restarts re-log the
     iterations they train again)."""
+    trackers: list[str] = field(default_factory=list)
+    """Experiment trackers the driver sends the run to (``ray_ppu.monitor.trackers``):
+    ``mlflow``, ``wandb``; each needs its package (``pip install 'ray-ppu[trackers]'``).
+    Empty: none, and none is imported."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow tracking server or store; None: ``sqlite:///<dir>/mlflow.db``."""
+    mlflow_experiment: str = "ray_ppu"
+    """MLflow experiment the run is filed under (created if missing)."""
+    wandb_project: str = "ray_ppu"
+    """Weights & Biases project."""
+    wandb_entity: Optional[str] = None
+    """Weights & Biases team or user; None: the logged-in user's default."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """online: sent as the run goes; offline: written under <dir>/wandb for ``wandb sync``."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Optional
 from ray_ppu import checkpoint
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import ConfigError, UserError
+from ray_ppu.monitor.trackers import problems as tracker_problems
 from ray_ppu.plan import Plan
 from ray_ppu.plan.fit import fit_problem
 
@@ -41,6 +42,7 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
     found = fit_problem(cfg, plan)
     if found:
         problems.append(found)
+    problems += tracker_problems(cfg.output.trackers)
     if files:
         for step in (_data_lines, _sft_lines) if data else ():
             lines += step(cfg, plan, problems)
