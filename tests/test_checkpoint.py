@@ -42,6 +42,7 @@ from ray_ppu.util.net import free_port
 from ray_ppu import checkpoint
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.launch.launcher import launch
+from ray_ppu.monitor import trackers
 from ray_ppu.monitor.metrics_log import read_sample_log
 from ray_ppu.plan import build_plan
 from ray_ppu.launch.output import absolute_paths, prepare_output
@@ -417,20 +418,24 @@ def interrupt_twice(metrics_file: Path, record_file: Path, killed: list, seen: d
 @pytest.fixture(scope="module")
 def interrupted(ray_cluster, corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("interrupted")
+    # MLflow beside it, fed as pretrain.py feeds it (a local sqlite store): one tracker run
+    # through both restarts (tests/test_trackers.py has the server, its outage and a resume)
     cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=2",
-                        "checkpoint.memory_interval=1")
+                        "checkpoint.memory_interval=1", "output.trackers=[mlflow]")
     killed: list = []
     seen: dict = {}
     record_file = checkpoint.save_root(cfg) / checkpoint.STREAM_START_FILE
-    final, _ = launch_while(cfg, plan, interrupt_twice(out / "metrics.jsonl", record_file,
-                                                       killed, seen))
+    with trackers.feeding(cfg, plan) as feed:
+        final, _ = launch_while(cfg, plan, interrupt_twice(out / "metrics.jsonl", record_file,
+                                                           killed, seen))
+        tracked = feed.finish("FINISHED", [out / "plan.json"])
     assert len(killed) == 2 and seen.get("keepers"), (killed, seen)
     rows = _rows(out)
     # Where the last group's streams began, as its rank 0 recorded it (the first start
     # recorded iteration 0, the memory restore its own iteration).
     record = json.loads(record_file.read_text())
     return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows), "record": record,
-            "memory_record": seen["record"]}
+            "memory_record": seen["record"], "tracked": tracked}
 
 
 @pytest.mark.slow
@@ -454,6 +459,26 @@ def test_interrupted_run_resumes_exactly(uninterrupted, interrupted):
     for key in [5, 6, 7, 8, ("valid", 4), ("valid", 8)]:
         assert got[key] == pytest.approx(ref[key], abs=1e-6), key
     assert ref[8] < ref[1] - 0.5  # and the reference did train
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_is_one_tracker_run_with_each_iteration_once(interrupted):
+    """Two restarts (disk, then memory) train some iterations again: MLflow gets each
+    iteration once, with the loss the run ended with, in the one run it opened."""
+    from mlflow.tracking import MlflowClient
+
+    out = Path(interrupted["cfg"].output.dir)
+    client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    run_id = interrupted["tracked"]["mlflow"]["run_id"]
+    assert interrupted["tracked"]["mlflow"]["dropped"] == 0
+    [run] = client.search_runs([client.get_run(run_id).info.experiment_id])
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "train/lm_loss")}
+    assert len(client.get_metric_history(run_id, "train/lm_loss")) == len(history) == ITERS
+    curve = interrupted["curve"]
+    assert all(history[i] == pytest.approx(curve[i], abs=1e-6) for i in range(1, ITERS + 1))
+    assert sum(".restart" in tag for tag in run.data.tags) == 2
+    assert [a.path for a in client.list_artifacts(run_id)] == ["plan.json"]
 
 
 def _logged(metrics_file: Path, iteration: int) -> bool:

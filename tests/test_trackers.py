@@ -11,7 +11,6 @@ W&B in offline mode: its run file, read with wandb's own reader, holds every row
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -23,19 +22,14 @@ from ray_ppu.config.loader import load
 from ray_ppu.launch.output import prepare_output
 from ray_ppu.monitor import trackers
 from ray_ppu.plan import build_plan
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ray_ppu.util.net import free_port
 
 
 class _Server:
     """``mlflow server`` on 127.0.0.1 with a sqlite store under ``root``."""
 
     def __init__(self, root: Path):
-        self.root, self.port, self.proc = root, _free_port(), None
+        self.root, self.port, self.proc = root, free_port("127.0.0.1"), None
         self.uri = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
