@@ -156,6 +156,8 @@ def main(argv=None) -> int:
                 final["trackers"] = trackers.finish(status, [
                     *(Path(cfg.output.dir) / n for n in ("config.yaml", "plan.json")),
                     *([report] if report else [])])
+                if any(t["dropped"] for t in final["trackers"].values()):
+                    _report(cfg)  # again: its events now say what the trackers lost
     except UserError as err:  # config, cluster, corpus, checkpoint: one line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 2

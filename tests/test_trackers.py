@@ -123,6 +123,7 @@ def test_mlflow_gets_params_every_row_once_events_artifacts_and_one_run_across_a
     assert {m.step: m.value for m in history}[7] == _train(7)["lm_loss"]
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "valid/lm_loss")] == [
         (5, 8.5)]
+    assert "trackers_dropped" not in (out / "metrics.jsonl").read_text()
     assert "event.00000005.restart" in run.data.tags
     assert "memory:iter_5" in run.data.tags["event.00000005.restart"]
     assert {a.path for a in client.list_artifacts(run_id)} == {"config.yaml", "plan.json"}
@@ -135,6 +136,25 @@ def test_mlflow_gets_params_every_row_once_events_artifacts_and_one_run_across_a
     assert [r.info.run_id for r in client.search_runs([run.info.experiment_id])] == [run_id]
     steps = [m.step for m in client.get_metric_history(run_id, "train/lm_loss")]
     assert sorted(steps) == list(range(1, 11))
+
+
+def test_a_tracker_that_never_answers_costs_the_run_nothing(tmp_path, monkeypatch):
+    """Down from the start (nothing listens on its port): the feed starts at once, takes every
+    row without blocking, and at the end counts them dropped, in an event row of the run."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setattr(trackers, "_BACKOFF_S", (0.2,))
+    monkeypatch.setattr(trackers, "FLUSH_S", 1.0)
+    out = tmp_path / "run"
+    dead = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    cfg, plan = _run(out, "output.trackers=[mlflow]", f"output.mlflow_tracking_uri={dead}")
+    started = time.monotonic()
+    with trackers.feeding(cfg, plan) as feed:
+        _append(out, *(_train(i) for i in range(1, 4)))
+        summary = feed.finish("FINISHED", [out / "plan.json"])
+    assert time.monotonic() - started < 15
+    assert summary["mlflow"] == {"run_id": None, "sent": 0, "dropped": 1 + 3 + 1}
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "trackers_dropped" and last["dropped"] == {"mlflow": 5}
 
 
 def test_wandb_offline_history_holds_every_row(tmp_path):

@@ -63,8 +63,9 @@ class _Sender:
         self.queued = dict(state.get("last_steps", {}))
         self.queue: collections.deque = collections.deque()
         self.sent = self.dropped = self.failures = 0
+        self.opened = False
         self._wake = threading.Event()
-        self._closing = False
+        self._closing = self._abandoned = False
         self._thread = threading.Thread(target=self._run, name=f"tracker-{client.name}",
                                         daemon=True)
         self._thread.start()
@@ -79,15 +80,22 @@ class _Sender:
     def _run(self) -> None:
         tries = 0
         while True:
-            if not self.queue:
-                if self._closing:
-                    return
+            if self._abandoned or (self._closing and self.opened and not self.queue):
+                return  # sent all, or past the flush: close() counted what is left
+            if not self.opened:  # first the tracker run: a new one, or the one a resumed
+                item = ("open", 0, None)  # run continues (its id in trackers.json)
+            elif not self.queue:
                 self._wake.wait(_POLL_S)
                 self._wake.clear()
                 continue
-            item = self.queue[0]
+            else:
+                item = self.queue[0]
             try:
-                self.client.send(*item)
+                if item[0] == "open":
+                    self.state["run_id"] = self.client.open(self.state.get("run_id"))
+                    self.opened = True
+                else:
+                    self.client.send(*item)
             except Exception as err:  # down, slow, refusing: keep the row, wait, try again
                 self.failures += 1
                 if tries == 0:
@@ -100,6 +108,8 @@ class _Sender:
                 log.info("tracker %s answers again after %d failed tries", self.client.name,
                          tries)
             tries = 0
+            if item[0] == "open":
+                continue
             self.queue.popleft()
             self.sent += 1
             if item[0] == "metrics":
@@ -111,8 +121,8 @@ class _Sender:
         self._closing = True
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._abandoned = True  # a send in flight may still finish; nothing after it
         self.dropped += len(self.queue)
-        self.queue.clear()
 
 
 def _rows(path: Path, stop: threading.Event) -> Iterator[dict]:
@@ -208,6 +218,11 @@ class Feed:
                 log.warning("tracker %s: %d row(s) not sent (it did not answer in time)",
                             sender.client.name, sender.dropped)
         self._save_state()
+        lost = {name: t["dropped"] for name, t in summary.items() if t["dropped"]}
+        if lost:  # an event row, so that a report written after this shows it
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"event": "trackers_dropped", "dropped": lost,
+                                    "time": time.time()}) + "\n")
         return summary
 
 
@@ -230,12 +245,7 @@ def feeding(cfg, plan) -> Iterator[Optional[Feed]]:
     out = Path(cfg.output.dir)
     state_path = out / STATE_FILE
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    clients = []
-    for name in cfg.output.trackers:
-        mine = state.setdefault(name, {})
-        client = CLIENTS[name](cfg, out)
-        mine["run_id"] = client.open(mine.get("run_id"))
-        clients.append(client)
+    clients = [CLIENTS[name](cfg, out) for name in cfg.output.trackers]  # opened by senders
     feed = Feed(out, clients, state).start(_params(cfg, plan))
     done = False
     try:
