@@ -136,6 +136,10 @@ def test_mlflow_gets_params_every_row_once_events_artifacts_and_one_run_across_a
     assert [r.info.run_id for r in client.search_runs([run.info.experiment_id])] == [run_id]
     steps = [m.step for m in client.get_metric_history(run_id, "train/lm_loss")]
     assert sorted(steps) == list(range(1, 11))
+    state = json.loads((out / trackers.STATE_FILE).read_text())["mlflow"]
+    assert state["last_steps"] == {"train": 10, "valid": 5}
+    assert state["events_sent"] == 3  # checkpoint, restart, then this start: none twice
+    assert summary["mlflow"]["sent"] == 2 + 1 + 1  # rows 9 and 10, the start event, the end
 
 
 def test_a_tracker_that_never_answers_costs_the_run_nothing(tmp_path, monkeypatch):

@@ -59,8 +59,10 @@ class _Sender:
 
     def __init__(self, client, state: dict):
         self.client, self.state = client, state
-        # per kind of row (train, valid): rows after the last one queued go in
+        # per kind of row (train, valid): rows after the last one queued go in; event rows
+        # after the ones already sent (a resumed feed reads metrics.jsonl from its start)
         self.queued = dict(state.get("last_steps", {}))
+        self.events_sent_before = state.get("events_sent", 0)
         self.queue: collections.deque = collections.deque()
         self.sent = self.dropped = self.failures = 0
         self.opened = False
@@ -115,6 +117,10 @@ class _Sender:
             if item[0] == "metrics":
                 sent = self.state.setdefault("last_steps", {})
                 sent[item[2][0]] = max(sent.get(item[2][0], 0), item[1])
+            elif item[0] == "event":
+                self.state["events_sent"] = self.state.get("events_sent", 0) + 1
+            elif item[0] == "params":
+                self.state["params_sent"] = True
 
     def close(self, deadline: float) -> None:
         """Send what is queued until ``deadline`` (time.monotonic); the rest is dropped."""
@@ -171,12 +177,13 @@ class Feed:
         for sender in self.senders:
             if not sender.state.get("params_sent"):  # parameters once, on the run's first start
                 sender.put(("params", 0, params))
-                sender.state["params_sent"] = True
         self._tail.start()
         return self
 
     def _follow(self) -> None:
+        events = 0
         for row in _rows(self.out / "metrics.jsonl", self._stop):
+            events += "event" in row
             step = int(row.get("iteration", 0))
             values = _numbers(row)
             kind = "valid" if any(k.startswith("valid_") for k in values) else "train"
@@ -184,7 +191,8 @@ class Feed:
                 values = {k.removeprefix("valid_"): v for k, v in values.items()}
             for sender in self.senders:
                 if "event" in row:
-                    sender.put(("event", step, row))
+                    if events > sender.events_sent_before:
+                        sender.put(("event", step, row))
                 elif step > sender.queued.get(kind, 0):  # not what a restart trains again
                     sender.put(("metrics", step, (kind, values)))
                     sender.queued[kind] = step
