@@ -39,6 +39,10 @@ class MLflow:
 
         uri = cfg.output.mlflow_tracking_uri or f"sqlite:///{out.resolve() / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=uri)
+        # the default store's artifacts beside it (MLflow's own default: ./mlruns, wherever
+        # the driver was started); a server or a store the user names keeps its own
+        self.artifacts = (None if cfg.output.mlflow_tracking_uri
+                          else (out.resolve() / "mlflow-artifacts").as_uri())
         self.experiment = cfg.output.mlflow_experiment
         self.run_name, self.out = cfg.output.name or out.name, out
         self.run_id = None
@@ -48,8 +52,8 @@ class MLflow:
             self.client.update_run(run_id, status="RUNNING")
         else:
             found = self.client.get_experiment_by_name(self.experiment)
-            experiment = (found.experiment_id if found else
-                          self.client.create_experiment(self.experiment))
+            experiment = (found.experiment_id if found else self.client.create_experiment(
+                self.experiment, artifact_location=self.artifacts))
             run_id = self.client.create_run(experiment, run_name=self.run_name, tags={
                 "ray_ppu.output_dir": str(self.out.resolve())}).info.run_id
         self.run_id = run_id
