@@ -1,6 +1,6 @@
 """The vision-language demo: tiny-vl learns to name a shape's colour in Bunny's two stages
 (the projector; then everything, the tiny tower being random rather than pretrained), on a
-local Ray, on CPU (about 6 minutes on 2 cores); then its answers on held-out images are scored
+local Ray, on CPU (about 5 minutes on 2 cores); then its answers on held-out images are scored
 (chance: one in six).
 
     python entrypoints/demo_vl.py [--stage1-iters N] [--stage2-iters N]

@@ -181,7 +181,7 @@ class Feed:
         return self
 
     def _follow(self) -> None:
-        events = 0
+        events, saved = 0, time.monotonic()
         for row in _rows(self.out / "metrics.jsonl", self._stop):
             events += "event" in row
             step = int(row.get("iteration", 0))
@@ -196,7 +196,9 @@ class Feed:
                 elif step > sender.queued.get(kind, 0):  # not what a restart trains again
                     sender.put(("metrics", step, (kind, values)))
                     sender.queued[kind] = step
-            self._save_state()
+            if time.monotonic() - saved >= _POLL_S:  # not a file write per row: once a poll
+                self._save_state()
+                saved = time.monotonic()
 
     def _save_state(self) -> None:
         try:
