@@ -339,7 +339,7 @@ def test_image_problem_pickles():
     problem = pickle.loads(pickle.dumps(ImageProblem("empty_image", "a.png: 0 x 5 image")))
     assert (problem.reason, problem.message) == ("empty_image", "a.png: 0 x 5 image")
     assert set(IMAGE_REASONS) == {"missing_image", "unreadable_image", "empty_image",
-                                  "image_too_large"}
+                                  "image_too_large", "image_aspect"}
     with pytest.raises(ValueError):
         ImageProblem("ugly_image", "x")
 

@@ -61,7 +61,8 @@ def test_every_published_preset_is_covered():
     assert set(PRESETS) - {"tiny", "tiny-moe", *VISION_PRESETS} == (
         set(PUBLISHED) | set(PUBLISHED_QWEN3) | set(PUBLISHED_QWEN3_MOE))
     assert set(PUBLISHED_PARAMS_B) == set(PUBLISHED) | set(PUBLISHED_QWEN3)
-    assert set(VISION_PRESETS) - {"tiny-vl"} == set(PUBLISHED_VISION)
+    assert set(VISION_PRESETS) - {"tiny-vl", "tiny-qwen-vl"} == (set(PUBLISHED_VISION)
+                                                                 | set(PUBLISHED_QWEN_VL))
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -181,3 +182,50 @@ def test_tiny_preset_has_the_qwen2_5_architecture():
     for field in ("rotary_base", "norm_epsilon", "add_qkv_bias", "untie_embeddings_and_output_weights"):
         assert getattr(tiny, field) == getattr(small, field), field
     assert tiny.num_attention_heads % tiny.num_query_groups == 0 and tiny.num_query_groups > 1
+
+
+# Qwen2.5-VL, from Qwen/Qwen2.5-VL-<size>-Instruct config.json: the language model's
+#  (num_hidden_layers, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads,
+#  vocab_size, rms_norm_eps, tie_word_embeddings) and vision_config's intermediate_size; all
+#  have max_position_embeddings 128000, rope_theta 1e6, mrope_section [16, 24, 24], and the
+#  same tower: depth 32, hidden_size 1280, num_heads 16, patch 14, merge 2, window 112,
+#  fullatt_block_indexes [7, 15, 23, 31], out_hidden_size = the language width
+PUBLISHED_QWEN_VL = {
+    "qwen2.5-vl-3B": (36, 2048, 11008, 16, 2, 151936, 1e-6, True, 3420),
+    "qwen2.5-vl-7B": (28, 3584, 18944, 28, 4, 152064, 1e-6, False, 3420),
+    "qwen2.5-vl-72B": (80, 8192, 29568, 64, 8, 152064, 1e-6, False, 3456),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_QWEN_VL))
+def test_qwen_vl_preset_matches_config_json(name):
+    layers, hidden, ffn, heads, kv, vocab, eps, tied, tower_ffn = PUBLISHED_QWEN_VL[name]
+    cfg = load(None, [f"model.preset={name}"])
+    m, v = cfg.model, cfg.vision
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (layers, hidden, ffn)
+    assert (m.num_attention_heads, m.num_query_groups, m.vocab_size) == (heads, kv, vocab)
+    assert (m.norm_epsilon, m.untie_embeddings_and_output_weights) == (eps, not tied)
+    assert (m.max_position_embeddings, m.rotary_base, m.mrope_section) == (128000, 1_000_000,
+                                                                            [16, 24, 24])
+    assert (v.encoder, v.num_layers, v.hidden_size, v.ffn_hidden_size) == ("qwen2.5-vl", 32,
+                                                                            1280, tower_ffn)
+    assert (v.num_attention_heads, v.patch_size, v.spatial_merge_size, v.window_size) == (
+        16, 14, 2, 112)
+    assert v.full_attention_layers == [7, 15, 23, 31] and v.activation == "silu"
+    assert (v.image_token_id, v.vision_start_token_id) == (151655, 151652)
+    assert not v.problems(8) and m.preset == name
+    # the plan's nominal 448-pixel image: 32 × 32 patches, merged 2 × 2 into 256 tokens
+    assert v.image_tokens == 256
+
+
+def test_tiny_qwen_vl_mrope_fits_its_heads_and_bad_settings_are_named():
+    from ray_ppu.plan.rules import model_problems, vision_problems
+
+    cfg = load(None, ["model.preset=tiny-qwen-vl", "data.dataset=sft"])
+    assert 2 * sum(cfg.model.mrope_section) == cfg.model.effective_kv_channels
+    assert not model_problems(cfg) and not vision_problems(cfg)
+    bad = load(None, ["model.preset=tiny-qwen-vl", "data.dataset=sft",
+                      "model.mrope_section=[4,4,4]", "vision.min_pixels=20000"])
+    assert model_problems(bad) == ["mrope_section [4, 4, 4] must be three numbers summing to "
+                                   "kv_channels / 2 = 8"]
+    assert vision_problems(bad) == ["vision.min_pixels=20000 exceeds vision.max_pixels=12544"]

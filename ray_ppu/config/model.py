@@ -41,6 +41,11 @@ class ModelConfig:
     """Apply LLaMA-3.1 ("llama3") RoPE frequency scaling."""
     rope_scaling_factor: float = 8.0
     """Scaling factor for rope_scaling (LLaMA-3.1: 8). [> 0]"""
+    mrope_section: Optional[list[int]] = None
+    """Multimodal RoPE (Qwen2.5-VL; HF rope_parameters / rope_scaling ``mrope_section``): how
+    many of each head's rotary frequency pairs turn with the temporal, height and width
+    position of a token (text tokens have all three equal, so this is plain RoPE for text);
+    they sum to kv_channels / 2 (Qwen2.5-VL: [16, 24, 24] of 64). None = RoPE."""
     norm_epsilon: float = 1e-6
     """RMSNorm epsilon (HF: rms_norm_eps). [> 0]"""
     add_qkv_bias: bool = True

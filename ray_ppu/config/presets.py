@@ -159,7 +159,23 @@ def _siglip_so400m(**recipe) -> VisionConfig:
                         projector_activation="gelu", **recipe)
 
 
-# name → (language preset, vision section)
+def _qwen2_5_vl_tower(**arch) -> VisionConfig:
+    # Qwen/Qwen2.5-VL-*-Instruct config.json (vision_config): 32 layers of width 1280, 16
+    # heads, 14-pixel patches merged 2 × 2, 112-pixel windows except layers 7, 15, 23, 31;
+    # the processor's 56² … 28²·1280 pixels; <|image_pad|> 151655, <|vision_start|> 151652.
+    return VisionConfig(encoder="qwen2.5-vl", image_size=448, patch_size=14, num_layers=32,
+                        hidden_size=1280, num_attention_heads=16, activation="silu",
+                        spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                        full_attention_layers=[7, 15, 23, 31], image_token_id=151_655,
+                        vision_start_token_id=151_652, **arch)
+
+
+# Qwen2.5-VL's language models: Qwen2.5 with M-RoPE sections [16, 24, 24] of the 128-wide
+# heads and 128000 positions (Qwen/Qwen2.5-VL-*-Instruct config.json, top level)
+_QWEN_VL_TEXT = dict(mrope_section=[16, 24, 24], max_position_embeddings=128_000)
+
+
+# name → (language preset, or a language model of its own, vision section)
 VISION_PRESETS: dict[str, tuple[str, VisionConfig]] = {
     # BAAI/Bunny-Llama-3-8B-V: SigLIP-so400m (its SigLIP tower drops the last encoder layer
     # and reads the rest's output: HF vision_feature_layer -2) + an mlp2x_gelu projector +
@@ -174,8 +190,26 @@ VISION_PRESETS: dict[str, tuple[str, VisionConfig]] = {
                                      num_layers=2, hidden_size=32, ffn_hidden_size=64,
                                      num_attention_heads=2, feature_layer=-1,
                                      image_token_id=151_655)),
+    # Qwen/Qwen2.5-VL-3B-Instruct: the tower (MLP 3420) + Qwen2.5-3B's shape, tied embeddings
+    "qwen2.5-vl-3B": (_PRESETS["3B"].with_(**_QWEN_VL_TEXT),
+                      _qwen2_5_vl_tower(ffn_hidden_size=3420)),
+    # Qwen/Qwen2.5-VL-7B-Instruct: the tower (MLP 3420) + Qwen2.5-7B's shape, untied
+    "qwen2.5-vl-7B": (_PRESETS["7B"].with_(**_QWEN_VL_TEXT),
+                      _qwen2_5_vl_tower(ffn_hidden_size=3420)),
+    # Qwen/Qwen2.5-VL-72B-Instruct: the tower with MLP 3456 + Qwen2.5-72B's shape (eps 1e-6)
+    "qwen2.5-vl-72B": (_PRESETS["72B"].with_(norm_epsilon=1e-6, **_QWEN_VL_TEXT),
+                       _qwen2_5_vl_tower(ffn_hidden_size=3456)),
+    # Not a published checkpoint: Qwen2.5-VL's architecture (4 tower layers, windows of 56
+    # pixels, whole-image attention in layers 1 and 3; images of 56² … 112² pixels: 4 … 16
+    # tokens) on the tiny language preset with M-RoPE, so a CPU trains it in minutes.
+    # (tiny's 16-wide heads: 8 frequency pairs, split 2 / 3 / 3 as 16 / 24 / 24 of 64)
+    "tiny-qwen-vl": (_PRESETS["tiny"].with_(mrope_section=[2, 3, 3]), VisionConfig(
+        encoder="qwen2.5-vl", image_size=112, patch_size=14, num_layers=4, hidden_size=32,
+        ffn_hidden_size=48, num_attention_heads=2, activation="silu", window_size=56,
+        full_attention_layers=[1, 3], min_pixels=56 * 56, max_pixels=112 * 112,
+        image_token_id=151_655, vision_start_token_id=151_652)),
 }
 
 PRESETS: dict[str, ModelConfig] = {name: arch.with_(preset=name) for name, arch in _PRESETS.items()}
-PRESETS.update({name: PRESETS[language].with_(preset=name)
-                for name, (language, _) in VISION_PRESETS.items()})
+PRESETS.update({name: (PRESETS[language] if isinstance(language, str) else language)
+                .with_(preset=name) for name, (language, _) in VISION_PRESETS.items()})

@@ -1,9 +1,13 @@
-"""The ``vision`` section: the image encoder and projector of a LLaVA-architecture model.
+"""The ``vision`` section: the image encoder and projector of a vision-language model.
 
-A vision-language model here is LLaVA's recipe: a ViT (SigLIP or CLIP) turns each image into
-patch features, a two-layer MLP projects them to the language model's width, and those
-vectors take the places of the image tokens in the text; the language model is any dense
-``model`` preset. Its own section, beside ``model`` (the language model, unchanged), because
+Two families. LLaVA's recipe: a ViT (SigLIP or CLIP) turns each fixed-size image into patch
+features, a two-layer MLP projects them to the language model's width, and those vectors take
+the places of the image tokens in the text; the language model is any dense ``model`` preset.
+Qwen2.5-VL (``encoder: qwen2.5-vl``): a ViT that takes each image at its native resolution
+(a multiple of 28 pixels per side, between ``min_pixels`` and ``max_pixels``), attends within
+windows of ``window_size`` pixels except in ``full_attention_layers``, and merges each 2 × 2
+patches into one token (its merger is the projector); the language model is Qwen2.5 with
+multimodal RoPE (``model.mrope_section``). Its own section, beside ``model`` (the language model, unchanged), because
 the plan, the model build, the data path (how many tokens an image becomes, how its pixels are
 prepared) and the Hugging Face mapping all read it, and a text run has none of it
 (``encoder: null``).
@@ -20,22 +24,26 @@ from typing import Literal, Optional
 
 # The parts of a vision-language model a run can freeze (vision.freeze).
 COMPONENTS = ("vision", "projector", "language")
-ENCODERS = ("siglip", "clip")
+ENCODERS = ("siglip", "clip", "qwen2.5-vl")
 # HF hidden_act of each encoder family → ours: SigLIP's tanh-approximated GELU, CLIP's
 # x·sigmoid(1.702·x), the exact GELU.
-ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu"}
+ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "quick_gelu": "quick_gelu", "gelu": "gelu",
+               "silu": "silu"}
 
 
 @dataclass(frozen=True)
 class VisionConfig:
     """The image side of a LLaVA-architecture model; ``encoder`` None: a text-only model."""
 
-    encoder: Optional[Literal["siglip", "clip"]] = None
+    encoder: Optional[Literal["siglip", "clip", "qwen2.5-vl"]] = None
     """ViT family: ``siglip`` (no class token, a patch-embedding bias, images resized to the
-    square) or ``clip`` (a class token, a pre-norm, the short side resized then centre-cropped);
-    None = no vision part (a text model)."""
+    square), ``clip`` (a class token, a pre-norm, the short side resized then centre-cropped)
+    or ``qwen2.5-vl`` (native resolution, window attention, 2 × 2 patch merger); None = no
+    vision part (a text model)."""
     image_size: int = 384
-    """Side of the square image the ViT takes, in pixels (HF: image_size). [≥ 1]"""
+    """Side of the square image the ViT takes, in pixels (HF: image_size). Qwen2.5-VL takes
+    every image at its own size: there it is the side of the image the plan counts FLOPs and
+    memory for (a multiple of 28). [≥ 1]"""
     patch_size: int = 14
     """Side of one patch (HF: patch_size). Patches tile the image from its corner and a rest
     narrower than a patch is not seen, as HF's unpadded patch convolution does (SigLIP-so400m:
@@ -51,8 +59,9 @@ class VisionConfig:
     """ViT attention heads (HF: num_attention_heads); divisible by TP. [≥ 1]"""
     norm_epsilon: float = 1e-6
     """LayerNorm epsilon (HF: layer_norm_eps; SigLIP 1e-6, CLIP 1e-5). [> 0]"""
-    activation: Literal["gelu_tanh", "quick_gelu", "gelu"] = "gelu_tanh"
-    """ViT MLP activation (HF hidden_act gelu_pytorch_tanh, quick_gelu, gelu)."""
+    activation: Literal["gelu_tanh", "quick_gelu", "gelu", "silu"] = "gelu_tanh"
+    """ViT MLP activation (HF hidden_act gelu_pytorch_tanh, quick_gelu, gelu; Qwen2.5-VL's
+    gated MLP: silu)."""
     feature_layer: int = -1
     """Which ViT hidden state feeds the projector (HF LLaVA: vision_feature_layer): -1 the last
     layer's output, -2 the penultimate's (LLaVA-1.5); k ≥ 1 the output of layer k. Never the
@@ -67,6 +76,24 @@ class VisionConfig:
     image_token_id: int = 151_655
     """Token id an image position carries in the text (HF image_token_id); each image becomes
     :attr:`image_tokens` of them. Qwen2.5's <|image_pad|> by default. [≥ 0]"""
+    spatial_merge_size: int = 2
+    """Qwen2.5-VL: patches merged into one token along each side (HF spatial_merge_size), so an
+    image of h × w patches takes h·w / merge² tokens. [≥ 1]"""
+    temporal_patch_size: int = 2
+    """Qwen2.5-VL: frames per patch (HF temporal_patch_size); a still image is repeated to fill
+    them. [≥ 1]"""
+    window_size: int = 112
+    """Qwen2.5-VL: side of an attention window in pixels (HF window_size). [≥ 1]"""
+    full_attention_layers: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    """Qwen2.5-VL: ViT layers (0-based) attending over the whole image instead of windows (HF
+    fullatt_block_indexes)."""
+    min_pixels: int = 56 * 56
+    """Qwen2.5-VL: fewest pixels an image is resized to (HF processor min_pixels). [≥ 1]"""
+    max_pixels: int = 28 * 28 * 1280
+    """Qwen2.5-VL: most pixels an image is resized to (HF processor max_pixels; 1280 tokens).
+    [≥ min_pixels]"""
+    vision_start_token_id: int = 151_652
+    """Qwen2.5-VL: <|vision_start|>, the token before each image's pads. [≥ 0]"""
     freeze: list[str] = field(default_factory=lambda: ["vision"])
     """Components that do not train (no gradients, no optimizer state): any of vision,
     projector, language. LLaVA / Bunny stage 1 (projector pre-training): [vision, language];
@@ -77,6 +104,11 @@ class VisionConfig:
     def enabled(self) -> bool:
         """Whether the model has a vision part."""
         return self.encoder is not None
+
+    @property
+    def native(self) -> bool:
+        """Images at their own resolution (Qwen2.5-VL), not resized to one square."""
+        return self.encoder == "qwen2.5-vl"
 
     @property
     def class_token(self) -> bool:
@@ -97,6 +129,8 @@ class VisionConfig:
     def image_tokens(self) -> int:
         """Positions an image takes in the text: its patches, plus CLIP's class token when
         feature_select keeps it."""
+        if self.native:  # the plan's image: its patches after the merge
+            return self.patches // self.spatial_merge_size ** 2
         keep_class = self.class_token and self.feature_select == "full"
         return self.patches + int(keep_class)
 
@@ -125,6 +159,8 @@ class VisionConfig:
         if self.num_attention_heads % tensor_model_parallel_size:
             out.append(f"vision.num_attention_heads={self.num_attention_heads} is not divisible "
                        f"by parallel.tensor_model_parallel_size={tensor_model_parallel_size}")
+        if self.native:
+            out += self._native_problems()
         if self.feature_select == "default" and not self.class_token:
             out.append(f"vision.feature_select=default drops a class token {self.encoder} does "
                        f"not have: use full")
@@ -132,6 +168,21 @@ class VisionConfig:
         if unknown:
             out.append(f"vision.freeze={self.freeze}: {', '.join(unknown)} is not one of "
                        f"{', '.join(COMPONENTS)}")
+        return out
+
+    def _native_problems(self) -> list[str]:
+        factor = self.patch_size * self.spatial_merge_size  # pixels per merged token's side
+        out = []
+        if self.min_pixels > self.max_pixels:
+            out.append(f"vision.min_pixels={self.min_pixels} exceeds "
+                       f"vision.max_pixels={self.max_pixels}")
+        if self.image_size % factor:
+            out.append(f"vision.image_size={self.image_size} is not a multiple of "
+                       f"{factor} (patch_size × spatial_merge_size)")
+        outside = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
+        if outside:
+            out.append(f"vision.full_attention_layers {outside} are not layers of "
+                       f"vision.num_layers={self.num_layers} (0 … {self.num_layers - 1})")
         return out
 
     def with_(self, **changes) -> "VisionConfig":

@@ -46,7 +46,9 @@ from PIL import Image
 
 from ray_ppu.errors import ConfigError
 
-IMAGE_REASONS = ("missing_image", "unreadable_image", "empty_image", "image_too_large")
+# image_aspect: a side over 200 times the other, which Qwen2.5-VL's resize refuses (native_images)
+IMAGE_REASONS = ("missing_image", "unreadable_image", "empty_image", "image_too_large",
+                 "image_aspect")
 MAX_PIXELS_SETTING = "data.max_image_pixels"  # the limit's name in image_too_large messages
 PROCESSOR_FILE = "preprocessor_config.json"  # a Hugging Face model's image processor
 

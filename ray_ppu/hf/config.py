@@ -64,6 +64,7 @@ HF_NAMES = {
     "moe_ffn_hidden_size": "moe_intermediate_size",
     "moe_norm_topk_prob": "norm_topk_prob",
     "moe_aux_loss_coeff": "router_aux_loss_coef",
+    "mrope_section": "rope_scaling.mrope_section",
 }
 
 # Megatron-Core's llama3 RoPE scaling has these fixed (RotaryEmbedding._apply_scaling).
@@ -208,10 +209,29 @@ def mismatches(ours: ModelConfig, theirs: ModelConfig) -> list[str]:
     return lines
 
 
+def qwen_vl_text(hf: dict, where: str) -> ModelConfig:
+    """The language model of a Qwen2.5-VL config.json: Qwen2.5 with multimodal RoPE. Its keys
+    sit at the top level (published checkpoints, ``rope_scaling: {type: mrope}``) or under
+    ``text_config`` (transformers 5, ``rope_parameters``)."""
+    text = dict(hf.get("text_config") or {k: v for k, v in hf.items() if k != "vision_config"})
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if not section:
+        raise ConfigError(f"{where}: no mrope_section in rope_parameters / rope_scaling")
+    theta = rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))
+    text.pop("rope_scaling", None)
+    text.pop("use_sliding_window", None)  # Qwen2.5-VL's configs say false; it never slides
+    text.update(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": theta})
+    return model_from_hf(text, f"{where} (text)").with_(mrope_section=list(section))
+
+
 def directory_model(directory: str | Path) -> ModelConfig:
     """The ModelConfig of a Hugging Face model directory's config.json (a LLaVA model's: of
-    its language model, ``text_config``)."""
+    its language model, ``text_config``; a Qwen2.5-VL model's: :func:`qwen_vl_text`)."""
     raw, where = read(directory), str(Path(directory).expanduser() / CONFIG_FILE)
+    if raw.get("model_type") == "qwen2_5_vl":
+        return qwen_vl_text(raw, where)
     if raw.get("model_type") == "llava" and isinstance(raw.get("text_config"), dict):
         text = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"]}
         return model_from_hf(text, f"{where} (text_config)")

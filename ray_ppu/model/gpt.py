@@ -175,7 +175,7 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             parallel_output=True,
             share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
-            position_embedding_type="rope",
+            position_embedding_type="mrope" if cfg.model.mrope_section else "rope",
             rotary_base=cfg.model.rotary_base,
             rope_scaling=cfg.model.rope_scaling,
             rope_scaling_factor=cfg.model.rope_scaling_factor,

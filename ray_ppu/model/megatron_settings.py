@@ -63,6 +63,7 @@ def transformer_settings(cfg: RunConfig, plan, te: bool) -> dict:
         # Qwen3's per-head q / k RMSNorm: model.py's layer specs build the norms, and
         # finalize_model_grads sums their gradients over TP (each rank normed its own heads)
         qk_layernorm=m.qk_layernorm,
+        mrope_section=list(m.mrope_section) if m.mrope_section else None,
         **_precision(precision),
         pipeline_dtype=PARAMS_DTYPE[precision],
         apply_query_key_layer_scaling=qk_scaling,

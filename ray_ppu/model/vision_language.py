@@ -33,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.config.vision import VisionConfig
+from ray_ppu.config.vision import COMPONENTS, VisionConfig
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,8 @@ def projector_spec(te: bool):
 _LANGUAGE_ONLY = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                   "sequence_parallel", "context_parallel_size", "recompute_granularity",
                   "recompute_method", "recompute_num_layers", "cpu_offloading",
-                  "cpu_offloading_num_layers", "qk_layernorm", "num_moe_experts")
+                  "cpu_offloading_num_layers", "qk_layernorm", "num_moe_experts",
+                  "mrope_section")
 
 
 def _component_settings(language: dict) -> dict:
@@ -141,34 +142,23 @@ def projector_settings(vision: VisionConfig, language: dict) -> dict:
 
 
 class VisionLanguageModel(MegatronModule):
-    """ViT + projector (first pipeline stage only) + a GPTModel, behind GPTModel's forward
-    contract plus ``images``: float pixel values [n_images, 3, H, W] of the microbatch's images
-    in the order their placeholder tokens appear (row by row)."""
+    """An image encoder + projector (first pipeline stage only) + a GPTModel, behind GPTModel's
+    forward contract plus ``images``. LLaVA: float pixel values [n_images, 3, H, W] of the
+    microbatch's images in the order their placeholder tokens appear (row by row). Qwen2.5-VL
+    (``vision.native``): (patches [N, 3·t·p·p], grid_thw [n_images, 3]) in that order, and
+    ``position_ids`` are M-RoPE's [3, b, s]; its merger is part of ``vision_model``."""
 
-    def __init__(self, language_model, vision: VisionConfig, vision_config: TransformerConfig,
-                 projector_config: TransformerConfig, vit_layer_spec: ModuleSpec,
-                 projector_layer_spec) -> None:
+    def __init__(self, language_model, vision: VisionConfig, vision_model=None,
+                 vision_projection=None) -> None:
         super().__init__(config=language_model.config)
         self.language_model = language_model
         self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
         self.model_type = language_model.model_type  # what Megatron's schedules look up
         self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
         self.image_token_id = vision.image_token_id
+        self.native = vision.native
         self.drop_class_token = vision.class_token and vision.feature_select == "default"
-        self.vision_model = self.vision_projection = None
-        if self.pre_process:
-            clip = vision.encoder == "clip"
-            # the side the patches cover: CLIPViTModel wants a multiple of the patch, and its
-            # unpadded patch convolution ignores the rest of a larger image, as HF's does
-            covered = vision.patches_per_side * vision.patch_size
-            self.vision_model = CLIPViTModel(
-                vision_config, vit_layer_spec, ln_pre_impl=LayerNorm, ln_post_impl=LayerNorm,
-                add_class_token=clip, class_token_len=int(clip), patch_dim=vision.patch_size,
-                img_h=covered, img_w=covered, model_subtype=vision.encoder)
-            # LLaVA reads a hidden state, never the post-norm's output (SigLIP's ln_post)
-            self.vision_model.ln_post = None
-            self.vision_projection = MultimodalProjector(
-                projector_config, projector_layer_spec, "mlp", vision.hidden_size)
+        self.vision_model, self.vision_projection = vision_model, vision_projection
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)
@@ -176,13 +166,20 @@ class VisionLanguageModel(MegatronModule):
     def shared_embedding_or_output_weight(self):
         return self.language_model.shared_embedding_or_output_weight()
 
-    def image_features(self, images: torch.Tensor) -> torch.Tensor:
-        """Projected patch features [n_images, image_tokens, language hidden]."""
+    def image_features(self, images) -> torch.Tensor:
+        """Projected image tokens [Σ tokens of the images, language hidden], image by image."""
+        if self.native:
+            return self.vision_model(*images)
         weight = self.vision_model.conv1.weight
         features = self.vision_model(images.to(weight.dtype))  # [n, patches (+class), h_vision]
         if self.drop_class_token:
             features = features[:, self.vision_model.class_token_len:]
-        return self.vision_projection(features)
+        features = self.vision_projection(features)
+        return features.reshape(-1, features.shape[-1])
+
+    @staticmethod
+    def _count(images) -> int:
+        return int(images[1].shape[0]) if isinstance(images, tuple) else int(images.shape[0])
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
               images: Optional[torch.Tensor]) -> torch.Tensor:
@@ -190,17 +187,16 @@ class VisionLanguageModel(MegatronModule):
         embeddings with each image's features written over its placeholder tokens."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=position_ids)
         placeholders = input_ids == self.image_token_id  # [b, s]
-        if images is not None and images.shape[0]:
+        if images is not None and self._count(images):
             features = self.image_features(images)
-            n_features, n_places = features.shape[0] * features.shape[1], int(placeholders.sum())
+            n_features, n_places = features.shape[0], int(placeholders.sum())
             if n_features != n_places:
                 raise ValueError(f"the microbatch has {n_places} image tokens (id "
-                                 f"{self.image_token_id}) but its {features.shape[0]} images "
-                                 f"give {n_features} features ({features.shape[1]} each)")
+                                 f"{self.image_token_id}) but its {self._count(images)} images "
+                                 f"give {n_features} features")
             # row by row, as the data path lays the images out ([b, s] order, HF's)
             by_row = embeddings.transpose(0, 1)
-            by_row = by_row.masked_scatter(placeholders[..., None],
-                                           features.reshape(-1, features.shape[-1]).to(by_row.dtype))
+            by_row = by_row.masked_scatter(placeholders[..., None], features.to(by_row.dtype))
             embeddings = by_row.transpose(0, 1).contiguous()
         elif bool(placeholders.any()):
             raise ValueError(f"the microbatch has {int(placeholders.sum())} image tokens (id "
@@ -227,23 +223,31 @@ class VisionLanguageModel(MegatronModule):
         return state
 
 
+def _component_parameters(model: VisionLanguageModel, name: str) -> list:
+    """The parameters of one ``vision.freeze`` component on this stage (none: not here)."""
+    if name == "language":
+        return list(model.language_model.parameters())
+    if model.vision_model is None:
+        return []
+    if model.native:  # Qwen2.5-VL: the projector is the tower's patch merger
+        tower = model.vision_model
+        return tower.encoder_parameters() if name == "vision" else tower.merger_parameters()
+    module = model.vision_model if name == "vision" else model.vision_projection
+    return list(module.parameters())
+
+
 def freeze(model: VisionLanguageModel, cfg: RunConfig) -> None:
     """``vision.freeze``'s components stop training. The language model under LoRA is left to
     the adapters' own freezing (its base is frozen, its adapters train)."""
-    parts = {"vision": model.vision_model, "projector": model.vision_projection,
-             "language": None if cfg.lora.enabled else model.language_model}
     for name in cfg.vision.freeze:
-        if parts.get(name) is not None:
-            for param in parts[name].parameters():
+        if name in COMPONENTS and not (name == "language" and cfg.lora.enabled):
+            for param in _component_parameters(model, name):
                 param.requires_grad = False
 
 
-def build(cfg: RunConfig, language_model, language_settings: dict, te: bool,
-          use_cpu_initialization: bool) -> VisionLanguageModel:
-    """The vision-language model around ``language_model`` (built with
-    ``scatter_embedding_sequence_parallel=False``: the images go in before the scatter)."""
-    vision = cfg.vision
-
+def _llava_components(vision: VisionConfig, language_settings: dict, te: bool,
+                      use_cpu_initialization: bool) -> tuple:
+    """LLaVA's ViT (Megatron-Core's CLIPViTModel) and its MLP projector."""
     def config(settings: dict, activation: str) -> TransformerConfig:
         # the language settings it derives from already hold torch dtypes (gpt._settings)
         return TransformerConfig(**settings, activation_func=ACTIVATION_FUNCTIONS[activation],
@@ -256,10 +260,46 @@ def build(cfg: RunConfig, language_model, language_settings: dict, te: bool,
         layer_spec = get_vit_layer_with_transformer_engine_spec()
     else:
         layer_spec = local_vit_layer_spec()
-    model = VisionLanguageModel(
-        language_model, vision,
-        config(vision_settings(vision, language_settings), vision.activation),
+    clip = vision.encoder == "clip"
+    # the side the patches cover: CLIPViTModel wants a multiple of the patch, and its
+    # unpadded patch convolution ignores the rest of a larger image, as HF's does
+    covered = vision.patches_per_side * vision.patch_size
+    encoder = CLIPViTModel(
+        config(vision_settings(vision, language_settings), vision.activation), layer_spec,
+        ln_pre_impl=LayerNorm, ln_post_impl=LayerNorm, add_class_token=clip,
+        class_token_len=int(clip), patch_dim=vision.patch_size, img_h=covered, img_w=covered,
+        model_subtype=vision.encoder)
+    # LLaVA reads a hidden state, never the post-norm's output (SigLIP's ln_post)
+    encoder.ln_post = None
+    projector = MultimodalProjector(
         config(projector_settings(vision, language_settings), vision.projector_activation),
-        layer_spec, projector_spec(te))
+        projector_spec(te), "mlp", vision.hidden_size)
+    return encoder, projector
+
+
+def _qwen_tower(vision: VisionConfig, language_settings: dict, use_cpu_initialization: bool):
+    """Qwen2.5-VL's tower (transformers' module, replicated over TP), equal on every TP rank."""
+    from ray_ppu.model.qwen_vision import QwenVisionTower, broadcast_over_tensor_parallel
+
+    config = TransformerConfig(**_component_settings(language_settings),
+                               use_cpu_initialization=use_cpu_initialization)
+    tower = QwenVisionTower(config, vision, language_settings["hidden_size"])
+    broadcast_over_tensor_parallel(tower)
+    return tower
+
+
+def build(cfg: RunConfig, language_model, language_settings: dict, te: bool,
+          use_cpu_initialization: bool) -> VisionLanguageModel:
+    """The vision-language model around ``language_model`` (built with
+    ``scatter_embedding_sequence_parallel=False``: the images go in before the scatter); the
+    image side only on the first pipeline stage."""
+    vision = cfg.vision
+    encoder = projector = None
+    if language_model.pre_process and vision.native:
+        encoder = _qwen_tower(vision, language_settings, use_cpu_initialization)
+    elif language_model.pre_process:
+        encoder, projector = _llava_components(vision, language_settings, te,
+                                               use_cpu_initialization)
+    model = VisionLanguageModel(language_model, vision, encoder, projector)
     freeze(model, cfg)
     return model

@@ -13,7 +13,7 @@ lives in :mod:`ray_ppu.offline.source`, which imports no Megatron-Core (this mod
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,12 @@ def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
     checkpoint ``trained`` if given (after the base: a LoRA run may have trained base parts).
     Returns a Hugging Face source's read summary (``bytes_read``; empty for a checkpoint)."""
     read = {}
-    if source.kind == "hf" and cfg.vision.enabled:
+    if source.kind == "hf" and cfg.vision.native:
+        from ray_ppu.hf import qwen_vl
+
+        read = qwen_vl.load_pretrained(chunks, qwen_vl.Parts.of(str(source.path)), cfg.model,
+                                       cfg.vision, plan.padded_vocab_size)
+    elif source.kind == "hf" and cfg.vision.enabled:
         from ray_ppu.hf import llava_weights
 
         read = llava_weights.load_pretrained(chunks, llava_weights.Parts.of(str(source.path)),
@@ -73,9 +78,11 @@ def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
 
 @torch.no_grad()
 def prompt_logits(chunks: list, tokens: list[int], vocab_size: int, device: torch.device,
-                  images: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  images=None, positions_of: Optional[Callable] = None) -> torch.Tensor:
     """Logits [len(tokens), vocab_size] (fp32) of every position of ``tokens``, on every rank;
-    ``images``: a vision-language model's pixel values [n, 3, H, W] for the image tokens.
+    ``images``: a vision-language model's pixel values [n, 3, H, W] for the image tokens
+    (Qwen2.5-VL: patches and grid_thw), ``positions_of(tokens)``: the M-RoPE positions
+    [3, len(tokens)] of a model with ``mrope_section`` (else 0 … n-1).
 
     1. Megatron's forward-only schedule over the pipeline (one microbatch; for interleaved
        stages one per pipeline stage, all the same sequence, as the schedule needs).
@@ -87,10 +94,15 @@ def prompt_logits(chunks: list, tokens: list[int], vocab_size: int, device: torc
 
     n = len(tokens)
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
-    positions = torch.arange(n, device=device).unsqueeze(0)
+    if positions_of is not None:  # [3, 1, n]: temporal, height, width of the one row
+        positions = torch.as_tensor(positions_of(tokens), device=device)[:, None, :]
+    else:
+        positions = torch.arange(n, device=device).unsqueeze(0)
+    on_device = (None if images is None else tuple(t.to(device) for t in images)
+                 if isinstance(images, tuple) else images.to(device))
 
     def forward_step(_data, model):
-        extra = {} if images is None else {"images": images.to(device)}
+        extra = {} if images is None else {"images": on_device}
         output = model(ids, positions, None, **extra)
 
         def gather(output_tensor, non_loss_data=True):
@@ -116,14 +128,15 @@ def prompt_logits(chunks: list, tokens: list[int], vocab_size: int, device: torc
 
 def greedy(chunks: list, prompt: list[int], vocab_size: int, device: torch.device,
            max_new_tokens: int, stop: tuple[int, ...] = (),
-           images: Optional[torch.Tensor] = None) -> tuple[list[int], torch.Tensor]:
+           images=None, positions_of: Optional[Callable] = None
+           ) -> tuple[list[int], torch.Tensor]:
     """Greedy continuation of ``prompt`` (up to ``max_new_tokens``, ending early at a ``stop``
-    id), and the prompt's own logits [len(prompt), vocab_size]; ``images`` as for
-    :func:`prompt_logits`."""
+    id), and the prompt's own logits [len(prompt), vocab_size]; ``images`` and
+    ``positions_of`` as for :func:`prompt_logits`."""
     ids = list(prompt)
     first = None
     for _ in range(max_new_tokens):
-        logits = prompt_logits(chunks, ids, vocab_size, device, images)
+        logits = prompt_logits(chunks, ids, vocab_size, device, images, positions_of)
         if first is None:
             first = logits
         token = int(logits[-1].argmax())
@@ -131,5 +144,5 @@ def greedy(chunks: list, prompt: list[int], vocab_size: int, device: torch.devic
         if token in stop:
             break
     if first is None:
-        first = prompt_logits(chunks, ids, vocab_size, device, images)
+        first = prompt_logits(chunks, ids, vocab_size, device, images, positions_of)
     return ids[len(prompt):], first

@@ -69,6 +69,12 @@ def open_source(path: str | Path) -> Source:
 
         raw = hf_config.read(path)
         where = str(path / hf_config.CONFIG_FILE)
+        if raw.get("model_type") == "qwen2_5_vl":
+            from ray_ppu.hf import qwen_vl
+
+            model, vision = qwen_vl.qwen_vl_from_hf(raw, where)
+            qwen_vl.Parts.of(str(path)).check(model, vision)
+            return Source(path, "hf", model, hf_config=raw, vision=vision)
         if llava.is_llava(raw):
             from ray_ppu.hf.llava_weights import Parts
 

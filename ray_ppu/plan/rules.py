@@ -125,6 +125,10 @@ def model_problems(cfg: RunConfig) -> list[str]:
     if m.kv_channels is not None and m.kv_channels % 2:
         found.append(f"kv_channels {m.kv_channels} must be an even number "
                      f"(RoPE rotates each head's channels in pairs)")
+    if m.mrope_section is not None and (len(m.mrope_section) != 3 or
+                                        2 * sum(m.mrope_section) != m.effective_kv_channels):
+        found.append(f"mrope_section {list(m.mrope_section)} must be three numbers summing to "
+                     f"kv_channels / 2 = {m.effective_kv_channels // 2}")
     if m.num_layers % pp:
         found.append(f"num_layers {m.num_layers} is not divisible by PP {pp}")
     per_vstage = p.num_layers_per_virtual_pipeline_stage

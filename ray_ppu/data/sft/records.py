@@ -36,6 +36,7 @@ DROP_REASONS = (
     "unreadable_image",   # not an image, or truncated / corrupt
     "empty_image",        # zero width or height
     "image_too_large",    # more pixels than data.max_image_pixels
+    "image_aspect",       # Qwen2.5-VL: one side over 200 times the other
     "prompt_too_long",    # everything before the first assistant token fills the row
 )
 # ShareGPT / LLaVA speakers → chat roles

@@ -1,0 +1,225 @@
+"""Qwen2.5-VL against transformers' ``Qwen2_5_VLForConditionalGeneration``.
+
+A tiny random Qwen2.5-VL is built offline from config objects and saved with
+``save_pretrained``: a 4-layer tower (window attention in layers 0 and 2, whole-image attention
+in 1 and 3, 56-pixel windows so the larger image spans several), a Qwen2.5 language model with
+M-RoPE sections [2, 3, 3] of its 16-channel heads. Norms and biases are drawn at random too,
+so a mix-up shows, and the attention weights are drawn wide enough for
+positions to matter (wrong M-RoPE positions move the logits by ~0.1). One prompt holds two real images of different sizes (Pillow drawings
+through transformers' own image processor): 10 × 8 and 4 × 12 patches, 20 and 12 image tokens.
+
+One torchrun launch of two CPU ranks (this file's ``__main__``) loads it at TP 1, TP 2 and
+PP 2 and writes the logits of that prompt, with transformers' own M-RoPE positions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ray_ppu.util.net import free_port
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
+IMAGE, START, END = 999, 997, 998  # <|image_pad|>, <|vision_start|>, <|vision_end|>
+SIZES = [(140, 112), (56, 168)]  # (height, width) in pixels: multiples of 28, no resize
+
+
+def _qwen_vl(path: Path, published_names: bool) -> None:
+    """A random tiny Qwen2.5-VL saved to ``path`` (``published_names``: tensor names as the
+    published checkpoints spell them, ``model.layers.…`` / ``visual.…``)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=1000, hidden_size=64, intermediate_size=176,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         rms_norm_eps=1e-6, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                          "rope_theta": 1e6}),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, fullatt_block_indexes=[1, 3], window_size=56),
+        image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END,
+        video_token_id=996, tie_word_embeddings=True)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+            elif name.endswith(("q_proj.weight", "k_proj.weight", "attn.qkv.weight")):
+                # sharp attention, so positions matter: with transformers' 0.02 the logits
+                # of arange positions differ from M-RoPE's by 1e-4, here by ~0.1
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    if published_names:  # model.language_model.X → model.X, model.visual.X → visual.X
+        tensors = load_file(path / "model.safetensors")
+        renamed = {n.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+                   : t for n, t in tensors.items()}
+        save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def _images() -> list:
+    from PIL import Image, ImageDraw
+
+    out = []
+    for i, (h, w) in enumerate(SIZES):
+        image = Image.new("RGB", (w, h), (30 + 60 * i, 200 - 50 * i, 90))
+        draw = ImageDraw.Draw(image)
+        draw.ellipse((5, 7, w - 9, h - 4), fill=(220, 40 + 90 * i, 10))
+        draw.rectangle((w // 3, h // 4, w // 2, h // 2), fill=(0, 0, 255 - 100 * i))
+        out.append(image)
+    return out
+
+
+def _prompt(grid: torch.Tensor) -> list[int]:
+    """Text, image 1, text, image 2, text: each image <|vision_start|>, its pads, <|vision_end|>."""
+    tokens = [5, 17, 300]
+    for i, (t, h, w) in enumerate(grid.tolist()):
+        tokens += [START] + [IMAGE] * (t * h * w // 4) + [END] + [40 + i, 41, 42 + 7 * i]
+    return tokens + [600, 7]
+
+
+@pytest.fixture(scope="module")
+def qwen_dirs(tmp_path_factory):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    dirs = {}
+    for spelling in ("transformers5", "published"):
+        path = tmp_path_factory.mktemp(f"qwen_vl_{spelling}")
+        model = _qwen_vl(path, spelling == "published")
+        dirs[spelling] = path
+    processed = Qwen2VLImageProcessorPil()(_images(), return_tensors="pt")
+    pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
+    ids = torch.tensor([_prompt(grid)])
+    with torch.no_grad():
+        mm_types = (ids == IMAGE).int()
+        positions, _ = model.model.get_rope_index(ids, mm_token_type_ids=mm_types,
+                                                  image_grid_thw=grid)
+        logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=mm_types).logits[0]
+    reference = {"ids": ids[0].tolist(), "pixels": pixels, "grid": grid,
+                 "positions": positions[:, 0], "logits": logits}
+    torch.save(reference, dirs["transformers5"] / "reference.pt")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def launched(qwen_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen_vl_layouts")
+    jobs = {"out": str(out), "models": {k: str(v) for k, v in qwen_dirs.items()},
+            "reference": str(qwen_dirs["transformers5"] / "reference.pt"), "layouts": LAYOUTS}
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port("127.0.0.1")), __file__, str(out / "jobs.json")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+def test_the_prompt_has_two_images_of_different_sizes(qwen_dirs):
+    reference = torch.load(qwen_dirs["transformers5"] / "reference.pt")
+    assert reference["grid"].tolist() == [[1, 10, 8], [1, 4, 12]]
+    assert reference["ids"].count(IMAGE) == 20 + 12
+    # M-RoPE: the image tokens' height and width positions differ, text ones are equal
+    positions = reference["positions"]
+    assert not torch.equal(positions[1], positions[2])
+
+
+def test_wrong_positions_would_show(qwen_dirs, launched):
+    """The layouts' check can fail: TP 1 with plain RoPE positions (0 … n-1 on all three
+    axes) is far off transformers'."""
+    reference = torch.load(qwen_dirs["transformers5"] / "reference.pt")["logits"]
+    wrong = torch.load(launched / "arange_positions.pt")
+    assert (wrong - reference).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("spelling", ["transformers5", "published"])
+def test_logits_equal_transformers_at_every_layout(qwen_dirs, launched, spelling):
+    reference = torch.load(qwen_dirs["transformers5"] / "reference.pt")["logits"]
+    for tp, pp in LAYOUTS:
+        ours = torch.load(launched / f"{spelling}_tp{tp}_pp{pp}.pt")
+        assert ours.shape == reference.shape
+        assert (ours - reference).abs().max() <= 1e-4, (spelling, tp, pp)
+
+
+def test_config_json_gives_the_model_and_vision_sections(qwen_dirs):
+    from ray_ppu.config.loader import load
+
+    cfg = load(None, [f"checkpoint.pretrained={qwen_dirs['published']}"])
+    assert cfg.model.mrope_section == [2, 3, 3] and cfg.model.hidden_size == 64
+    v = cfg.vision
+    assert (v.encoder, v.num_layers, v.hidden_size, v.num_attention_heads, v.window_size,
+            v.full_attention_layers, v.image_token_id) == ("qwen2.5-vl", 4, 32, 2, 56, [1, 3],
+                                                           IMAGE)
+
+
+def test_tower_shapes_are_transformers_module():
+    """The header check's shapes (written out, so the driver needs no transformers) are those
+    of the module the ranks build, at the 7B preset's tower."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+        Qwen2_5_VisionTransformerPretrainedModel,
+    )
+
+    from ray_ppu.config.presets import VISION_PRESETS
+    from ray_ppu.hf.qwen_vl import hf_vision_config, tower_shapes
+
+    vision = VISION_PRESETS["qwen2.5-vl-7B"][1]
+    with torch.device("meta"):
+        module = Qwen2_5_VisionTransformerPretrainedModel(
+            Qwen2_5_VLVisionConfig(**hf_vision_config(vision, 3584)))
+    theirs = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    assert tower_shapes(vision, 3584, "") == theirs
+    assert sum(math.prod(s) for s in theirs.values()) == pytest.approx(0.67e9, rel=0.01)
+
+
+# The torchrun side: python -m torch.distributed.run --nproc-per-node 2 tests/test_qwen_vl_model.py
+# ---------------------------------------------------------------------------------------------
+
+def _run_layouts(jobs: dict) -> None:
+    import logging
+
+    import torch.distributed as dist
+
+    from ray_ppu.model import parallel
+    from ray_ppu.offline import inference
+
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    out = Path(jobs["out"])
+    reference = torch.load(jobs["reference"])
+    images = (reference["pixels"], reference["grid"])
+    with parallel.process_group("cpu"):
+        for spelling, directory in jobs["models"].items():
+            source = inference.open_source(directory)
+            for tp, pp in jobs["layouts"]:
+                cfg, plan = inference.inference_config(source.model, dist.get_world_size(), tp,
+                                                       pp, device="cpu", vision=source.vision)
+                with inference.built_model(cfg, plan, "cpu") as chunks:
+                    inference.load_weights(chunks, source, cfg, plan)
+                    logits = inference.prompt_logits(
+                        chunks, reference["ids"], source.model.vocab_size, torch.device("cpu"),
+                        images, positions_of=lambda _tokens: reference["positions"])
+                    if (tp, pp) == (1, 1) and spelling == "published":
+                        arange = inference.prompt_logits(
+                            chunks, reference["ids"], source.model.vocab_size,
+                            torch.device("cpu"), images, positions_of=lambda tokens:
+                            torch.arange(len(tokens)).expand(3, -1))
+                        if dist.get_rank() == 0:
+                            torch.save(arange, out / "arange_positions.pt")
+                if dist.get_rank() == 0:
+                    torch.save(logits, out / f"{spelling}_tp{tp}_pp{pp}.pt")
+
+
+if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
+    _run_layouts(json.loads(Path(sys.argv[1]).read_text()))
