@@ -7,6 +7,7 @@
     python entrypoints/pretrain.py --config run.yaml --dry-run --plan-only
     python entrypoints/from_pai_script.py --script examples/qwen3/run_mcore_qwen3.sh \\
         --output run.yaml -- dsw A3B 1 32 1e-5 1e-6 1024 1024 bf16 2 1 1 1 8 true true true ...
+    python entrypoints/from_pai_script.py --script finetune/finetune_lora_ds.sh --output run.yaml
 
 Give either the 25 positional arguments of ``run_mcore_qwen.sh`` (ENV MODEL_SIZE BATCH_SIZE
 GLOBAL_BATCH_SIZE LR MIN_LR SEQ_LEN PAD_LEN PR TP PP CP SP DO FL SFT AC OPTIMIZER_OFFLOAD
@@ -26,6 +27,13 @@ setting that had to be reinterpreted is printed on stderr, one line each, and re
 YAML header. The config is validated with ``ray_ppu.config.loader.load`` and
 ``ray_ppu.plan.build_plan`` before it is written; a problem is reported with the script
 argument it comes from (exit status 2).
+
+A deepspeed + Hugging Face Trainer launch (a script passing ``--model_name_or_path``, such as
+Qwen-VL's ``finetune/finetune_lora_ds.sh``, given with ``--script`` or as the one path) is
+migrated from its trainer options instead: the model path to a qwen2.5-vl preset and
+checkpoint.pretrained, batch and accumulation × the launcher's world size to the global batch,
+epochs to iterations, LoRA, gradient checkpointing and the ZeRO stage; the options with no
+ray_ppu setting are named on stderr (ray_ppu.tools.pai_migration.hf_mapping).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from ray_ppu.tools.pai_migration import REFERENCE_SCRIPT, migrate_launch  # noqa
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("launch", nargs="+", metavar="SCRIPT_OR_ARGUMENT",
+    parser.add_argument("launch", nargs="*", metavar="SCRIPT_OR_ARGUMENT",
                         help="a launch script (one path) or the arguments of run_mcore_qwen*.sh "
                              "(25; 27 for run_mcore_qwen3.sh)")
     parser.add_argument("--output", "-o", metavar="FILE",
@@ -55,8 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"script file calls, else {REFERENCE_SCRIPT}, the PAI guide's; a "
                              f"Qwen2.5 name without 'no-overlap' passes --overlap-grad-reduce "
                              f"--overlap-param-gather); the path of your copy of "
-                             f"run_mcore_qwen3.sh to read its MODEL_SIZE branch")
-    return parser.parse_args(argv)
+                             f"run_mcore_qwen3.sh to read its MODEL_SIZE branch; or, alone, "
+                             f"a deepspeed + Hugging Face Trainer launch such as Qwen-VL's "
+                             f"finetune/finetune_lora_ds.sh")
+    args = parser.parse_args(argv)
+    if not args.launch and not args.script:
+        parser.error("give a launch script, the launch script's arguments, or --script PATH")
+    return args
 
 
 def main(argv=None, environ: Optional[Mapping[str, str]] = None) -> int:

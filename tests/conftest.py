@@ -93,6 +93,38 @@ def tiny_llava_dir(tmp_path_factory, qwen2_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen_vl_dir(tmp_path_factory, qwen2_tokenizer_dir):
+    """tiny-qwen-vl as a Hugging Face Qwen2.5-VL directory (the real Qwen2 vocabulary, random
+    weights, images of 56² … 112² pixels: 4 … 16 tokens), with its tokenizer and image
+    processor beside it."""
+    import shutil
+
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    path = tmp_path_factory.mktemp("tiny_qwen_vl") / "tiny-qwen-vl"
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=151_936, hidden_size=64, intermediate_size=176,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=32_768, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                          "rope_theta": 1e6}),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, fullatt_block_indexes=[1, 3], window_size=56),
+        image_token_id=151_655, vision_start_token_id=151_652, vision_end_token_id=151_653,
+        video_token_id=151_656, tie_word_embeddings=True)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(qwen2_tokenizer_dir) / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
 def uninterrupted(ray_cluster, corpus, tmp_path_factory):
     """The checkpoint and fault tests' reference run (DP 2, saving every 4, nothing going
     wrong), which the training tests also compare with DP 1: one run for all of them."""

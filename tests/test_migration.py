@@ -7,6 +7,7 @@ ray_ppu reproduces, reports as not reproduced, or refuses."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -605,3 +606,147 @@ def test_qwen3_load_balancing_none_drops_the_aux_loss(tmp_path):
     assert tree["model"]["moe_aux_loss_coeff"] == 0.0
     assert any(line.startswith("MODEL_SIZE=A3B: the script sets moe_aux_loss_coeff 0.0") for
                line in err)
+
+
+# --- a deepspeed + Hugging Face Trainer launch (Qwen-VL's finetune/finetune_lora_ds.sh) ------
+
+
+def trainer_script(tmp_path, model, procs=16, accumulate=4, extra="", deepspeed="zero2.json"):
+    """A launch shaped like Qwen-VL's finetune_lora_ds.sh (in our words): torchrun's options in
+    a quoted multi-line variable, a value computed with backquotes it never uses, the trainer's
+    options as --name value pairs and bare flags."""
+    (tmp_path / "ds").mkdir(exist_ok=True)
+    (tmp_path / "ds" / "zero2.json").write_text(json.dumps(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}))
+    records = tmp_path / "records.json"
+    records.write_text(json.dumps([{"id": i} for i in range(1000)]))
+    script = tmp_path / "ds" / "finetune_lora_ds.sh"
+    script.write_text(f"""#!/bin/bash
+# LoRA on a vision-language model, one node
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+WHERE=`pwd`
+PER_NODE={procs}
+MODEL="{model}"
+RECORDS={records}
+LAUNCHER="
+    --nproc_per_node $PER_NODE \\
+    --nnodes 1 \\
+    --master_port 6001
+"
+torchrun $LAUNCHER finetune.py \\
+    --model_name_or_path $MODEL \\
+    --data_path $RECORDS \\
+    --bf16 True \\
+    --output_dir lora_out \\
+    --num_train_epochs 5 \\
+    --per_device_train_batch_size 2 \\
+    --per_device_eval_batch_size 1 \\
+    --gradient_accumulation_steps {accumulate} \\
+    --evaluation_strategy "no" \\
+    --save_steps 1000 \\
+    --save_total_limit 10 \\
+    --learning_rate 1e-5 \\
+    --weight_decay 0.1 \\
+    --adam_beta2 0.95 \\
+    --warmup_ratio 0.01 \\
+    --lr_scheduler_type "cosine" \\
+    --logging_steps 1 \\
+    --report_to "none" \\
+    --model_max_length 2048 \\
+    --lazy_preprocess True \\
+    --use_lora \\
+    --gradient_checkpointing {extra} \\
+    --deepspeed {deepspeed}
+""")
+    return script
+
+
+def qwen_vl_directory(tmp_path):
+    """A Qwen2.5-VL-7B-Instruct directory as far as the config check reads it (config.json)."""
+    from ray_ppu.hf.qwen_vl import qwen_vl_to_hf
+
+    cfg = load(None, ["model.preset=qwen2.5-vl-7B"])
+    directory = tmp_path / "Qwen2.5-VL-7B-Instruct"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(qwen_vl_to_hf(cfg.model, cfg.vision,
+                                                                   "bfloat16")))
+    return directory
+
+
+def test_hf_trainer_lora_launch_maps_the_seed_setting(tmp_path):
+    """16 processes × mbs 2 × 4 accumulation = 128 per step; 5 epochs of 1000 records:
+    ⌈⌈1000 / 2⌉ / 16⌉ = 32 batches per rank, 8 updates per epoch, 40 steps, warmup ⌈0.4⌉ = 1;
+    ZeRO-2 → the distributed optimizer; finetune.py's LoRA defaults; what has no setting
+    named. The YAML dry-runs through pretrain.py with the image FLOPs in the plan."""
+    model = qwen_vl_directory(tmp_path)
+    out = tmp_path / "run.yaml"
+    proc = cli("--script", str(trainer_script(tmp_path, model)), "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    tree = yaml.safe_load(out.read_text())
+    t = tree["training"]
+    assert tree["model"]["preset"] == "qwen2.5-vl-7B"
+    assert tree["checkpoint"]["pretrained"] == str(model) == tree["data"]["tokenizer"]
+    assert (t["micro_batch_size"], t["global_batch_size"], t["seq_length"]) == (2, 128, 2048)
+    assert (t["train_iters"], t["lr_warmup_iters"], t["lr_decay_iters"]) == (40, 1, 39)
+    assert (t["lr"], t["min_lr"], t["weight_decay"], t["adam_beta2"]) == (1e-5, 0.0, 0.1, 0.95)
+    assert t["lr_decay_style"] == "cosine" and t["precision"] == "bf16"
+    assert t["use_distributed_optimizer"] is True and t["eval_iters"] == 0
+    assert tree["memory"]["recompute"] == "full" and tree["cluster"]["num_workers"] == 16
+    assert tree["lora"] == {"enabled": True, "rank": 64, "alpha": 16.0, "dropout": 0.05,
+                            "target_modules": ["linear_qkv", "linear_proj", "linear_fc1"],
+                            "trainable": ["embedding", "output_layer"]}  # no "chat" in the path
+    assert tree["vision"]["freeze"] == ["vision", "projector"]
+    assert tree["data"]["data_path"] == [str(tmp_path / "records.json")]
+    assert (tree["checkpoint"]["save_interval"], tree["checkpoint"]["keep_last"]) == (1000, 10)
+    assert ("not reproduced (no ray_ppu setting): --per_device_eval_batch_size 1, "
+            "--lazy_preprocess True") in proc.stderr
+    assert "<img>path</img>" in proc.stderr and "Traceback" not in proc.stderr
+    text = out.read_text()
+    assert "16 DP × 2 mbs × 4 microbatches = 128" in text
+    assert "5 epochs × max(⌈⌈1000 records / 2⌉ / 16⌉ // 4, 1) = 5 × 8 = 40" in text
+    dry = subprocess.run([sys.executable, str(REPO / "entrypoints" / "pretrain.py"), "--config",
+                          str(out), "--dry-run", "--plan-only"], capture_output=True, text=True,
+                         timeout=120)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    plan = json.loads(dry.stdout)["plan"]
+    assert plan["global_batch_size"] == 128 and plan["flops_per_image"] > 0
+
+
+def test_hf_trainer_qwen_vl_chat_launch_becomes_qwen25_vl(tmp_path):
+    """Qwen-VL-Chat has no ray_ppu model: qwen2.5-vl-7B from the hub name, noted; a chat model
+    trains no embeddings beside the adapters; --max_steps counts over epochs; 8 processes ×
+    2 × 8 = 128; a DeepSpeed JSON not on this machine gives its stage by its name."""
+    script = trainer_script(tmp_path, "Qwen/Qwen-VL-Chat", procs=8, accumulate=8,
+                            extra="--max_steps 300", deepspeed="configs/ds_zero2.json")
+    migrated = pai_migration.migrate_launch([], {}, str(script))
+    tree = yaml.safe_load(migrated.text)
+    assert tree["model"]["preset"] == "qwen2.5-vl-7B"
+    assert tree["checkpoint"]["pretrained"] == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert "trainable" not in tree["lora"]
+    assert tree["training"]["global_batch_size"] == 128 and tree["training"]["train_iters"] == 300
+    assert tree["cluster"]["num_workers"] == 8
+    notes = migrated.notes
+    assert any(n.startswith("--model_name_or_path Qwen/Qwen-VL-Chat: Qwen-VL") for n in notes)
+    assert any("ZeRO stage 2 taken from its name" in n for n in notes)
+    assert any(n.startswith("checkpoint.pretrained=Qwen/Qwen2.5-VL-7B-Instruct is not a model "
+                            "directory on this machine") for n in notes)
+    assert any("ray_ppu places one worker per PPU" in n for n in notes)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("--q_lora True", "--q_lora (finetune.py): a GPTQ 4-bit base"),
+    ("--lora_target_modules qkv_proj", "qkv_proj is not a linear ray_ppu adapts"),
+    ("--per_device_train_batch_size two", "--per_device_train_batch_size (finetune.py)='two'"),
+])
+def test_hf_trainer_launch_problems_name_the_option(tmp_path, extra, message):
+    script = trainer_script(tmp_path, "Qwen/Qwen2.5-VL-3B-Instruct", extra=extra)
+    with pytest.raises(MigrationError, match=re.escape(message)):
+        pai_migration.migrate_launch([], {}, str(script))
+
+
+def test_hf_trainer_epochs_need_the_records(tmp_path):
+    script = trainer_script(tmp_path, "Qwen/Qwen2.5-VL-7B-Instruct")
+    (tmp_path / "records.json").unlink()
+    proc = cli("--script", str(script))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--data_path (finetune.py)=" in proc.stderr and "--max_steps" in proc.stderr

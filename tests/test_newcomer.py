@@ -136,11 +136,14 @@ def test_a_size_outside_its_bound_is_a_plan_problem(key):
     section, name = key.split(".")
     annotation = typing.get_type_hints(type(getattr(schema.RunConfig(), section)))[name]
     value = int(bad) if int in (typing.get_args(annotation) or (annotation,)) else bad
-    cfg = load(DEMO, [f"{key}={value}"])
+    listed = typing.get_origin(annotation) is list  # a list's items each: one bad item named
+    cfg = load(DEMO, [f"{key}=[3, {int(bad)}]" if listed else f"{key}={value}"])
     with pytest.raises(ConfigError) as info:
         build_plan(cfg)
     lines = str(info.value).splitlines()
-    assert lines[1] == f"  - {key}={value:g}: must be {relation} {bound:g}"
+    shown = f"[3, {int(bad)}]" if listed else f"{value:g}"
+    has = f" (has {int(bad)})" if listed else ""
+    assert lines[1] == f"  - {key}={shown}: must be {relation} {bound:g}{has}"
     assert not any(" not divisible by " in line for line in lines)  # no arithmetic on it
 
 

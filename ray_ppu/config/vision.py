@@ -86,12 +86,12 @@ class VisionConfig:
     """Qwen2.5-VL: side of an attention window in pixels (HF window_size). [≥ 1]"""
     full_attention_layers: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
     """Qwen2.5-VL: ViT layers (0-based) attending over the whole image instead of windows (HF
-    fullatt_block_indexes)."""
+    fullatt_block_indexes); each below num_layers. [≥ 0]"""
     min_pixels: int = 56 * 56
     """Qwen2.5-VL: fewest pixels an image is resized to (HF processor min_pixels). [≥ 1]"""
     max_pixels: int = 28 * 28 * 1280
-    """Qwen2.5-VL: most pixels an image is resized to (HF processor max_pixels; 1280 tokens).
-    [≥ min_pixels]"""
+    """Qwen2.5-VL: most pixels an image is resized to (HF processor max_pixels; 1280 tokens);
+    not below min_pixels. [≥ 1]"""
     vision_start_token_id: int = 151_652
     """Qwen2.5-VL: <|vision_start|>, the token before each image's pads. [≥ 0]"""
     freeze: list[str] = field(default_factory=lambda: ["vision"])

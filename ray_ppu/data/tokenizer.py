@@ -40,6 +40,12 @@ _QWEN2_PATTERN = (
 QWEN2_EOD = 151_643  # <|endoftext|>
 QWEN2_VOCAB_SIZE = 151_936  # embedding rows in Qwen2.5 0.5B-3B (151643 BPE + specials + padding)
 QWEN2_SPECIAL_TOKENS = {"<|endoftext|>": QWEN2_EOD, "<|im_start|>": 151_644, "<|im_end|>": 151_645}
+# The added tokens after them in every Qwen2.5 tokenizer.json, up to the vision ones
+# Qwen2.5-VL writes images with (<|vision_start|>, <|image_pad|> × n, <|vision_end|>).
+QWEN2_MARKUP_TOKENS = {name: 151_646 + i for i, name in enumerate((
+    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+    "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>"))}
 
 # A ChatML template (the conversation format Qwen2.5 is trained on), written for this project.
 # A conversation without a system turn gets Qwen's default system prompt.
@@ -308,13 +314,14 @@ def export_qwen2_tokenizer(directory: str | Path) -> Path:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIAL_TOKENS])
-    for text, expected in QWEN2_SPECIAL_TOKENS.items():
+    special = {**QWEN2_SPECIAL_TOKENS, **QWEN2_MARKUP_TOKENS}
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    for text, expected in special.items():
         if tok.token_to_id(text) != expected:  # ids follow the vocabulary; make sure they are Qwen's
             raise RuntimeError(f"{text} got id {tok.token_to_id(text)}, expected {expected}")
 
     added = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                      "single_word": False, "special": True} for t, i in QWEN2_SPECIAL_TOKENS.items()}
+                      "single_word": False, "special": True} for t, i in special.items()}
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "add_prefix_space": False,

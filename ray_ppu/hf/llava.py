@@ -86,9 +86,9 @@ def directory_vision(pretrained: str, vision_tower: Optional[str] = None) -> Opt
         return vision_from_hf(read(vision_tower), f"{vision_tower}/config.json")
     raw = read(pretrained)
     if raw.get("model_type") == "qwen2_5_vl":
-        from ray_ppu.hf.qwen_vl import qwen_vl_from_hf
+        from ray_ppu.hf import qwen_vl
 
-        return qwen_vl_from_hf(raw, f"{pretrained}/config.json")[1]
+        return qwen_vl.directory_vision(pretrained)
     return llava_from_hf(raw, f"{pretrained}/config.json")[1] if is_llava(raw) else None
 
 

@@ -209,3 +209,21 @@ class _Renamed:
 
     def read_into(self, name, out, rows=None, cols=None) -> None:
         self.ckpt.read_into(self.names.text(name), out, rows, cols)
+
+
+def directory_vision(path: str | Path) -> VisionConfig:
+    """The vision section of a Qwen2.5-VL directory: config.json's tower and its
+    preprocessor_config.json's pixel bounds (the published ones allow 3136 … 12845056
+    pixels, not the processor class's default 1003520)."""
+    import json
+
+    from ray_ppu.data.images import PROCESSOR_FILE
+    from ray_ppu.data.native_images import NativeImageSpec
+
+    path = Path(path).expanduser()
+    vision = qwen_vl_from_hf(hf_config.read(path), str(path / hf_config.CONFIG_FILE))[1]
+    processor = path / PROCESSOR_FILE
+    if not processor.is_file():
+        return vision
+    spec = NativeImageSpec.from_hf(json.loads(processor.read_text()), str(processor))
+    return vision.with_(min_pixels=spec.min_pixels, max_pixels=spec.max_pixels)

@@ -108,12 +108,13 @@ def stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: int, ep: in
     output = embedding if m.untie_embeddings_and_output_weights else 0
     total = m.num_layers * (split + experts + replicated) + embedding + output + h
     stage = (m.num_layers // pp) * (split // tp + experts // (ep * etp) + replicated)
-    image = sum(vision.component_parameters(cfg).values())  # on the first stage, TP-split
+    image = sum(vision.component_parameters(cfg).values())  # on the first stage
     total += image
+    image = vision.per_device(cfg, image, tp)  # TP-split (LLaVA) or replicated (Qwen2.5-VL)
     if pp == 1:
-        only = stage + embedding // tp + h + output // tp + image // tp
+        only = stage + embedding // tp + h + output // tp + image
         return total, only, only
-    first = stage + embedding // tp + image // tp
+    first = stage + embedding // tp + image
     # The last stage holds the final norm and the output layer; with tied embeddings and PP > 1
     # Megatron keeps a copy of the embedding there too.
     last = stage + h + embedding // tp
@@ -128,12 +129,14 @@ def trainable_stage_parameters(cfg: RunConfig, tp: int, pp: int, padded_vocab: i
         total, first, last = lora.trainable_parameters(cfg, tp, pp, padded_vocab, ep, etp)
         # LoRA's count is of the language model; the image side trains as vision.freeze says
         image = vision.trainable_parameters(cfg)
-        return total + image, first + image // tp, last + (image // tp if pp == 1 else 0)
+        share = vision.per_device(cfg, image, tp)
+        return total + image, first + share, last + (share if pp == 1 else 0)
     total, first, last = stage_parameters(cfg, tp, pp, padded_vocab, ep, etp)
     frozen = sum(vision.component_parameters(cfg).values()) - vision.trainable_parameters(cfg)
+    share = vision.per_device(cfg, frozen, tp)
     if "language" in cfg.vision.freeze and cfg.vision.enabled:
         language = stage_parameters(dataclasses.replace(cfg, vision=cfg.vision.with_(encoder=None)),
                                     tp, pp, padded_vocab, ep, etp)
-        return (total - language[0] - frozen, first - language[1] - frozen // tp,
-                last - language[2] - (frozen // tp if pp == 1 else 0))
-    return total - frozen, first - frozen // tp, last - (frozen // tp if pp == 1 else 0)
+        return (total - language[0] - frozen, first - language[1] - share,
+                last - language[2] - (share if pp == 1 else 0))
+    return total - frozen, first - share, last - (share if pp == 1 else 0)

@@ -42,6 +42,10 @@ def size_problems(cfg: schema.RunConfig) -> list[str]:
         value = getattr(getattr(cfg, section), name)
         if value is None or isinstance(value, bool):
             continue
-        if value < bound if relation == "≥" else value <= bound:
-            found.append(f"{key}={value:g}: must be {relation} {bound:g}")
+        for item in value if isinstance(value, (list, tuple)) else [value]:  # lists: each
+            if item < bound if relation == "≥" else item <= bound:
+                shown = f"{value}" if isinstance(value, (list, tuple)) else f"{value:g}"
+                found.append(f"{key}={shown}: must be {relation} {bound:g}"
+                             + (f" (has {item:g})" if shown != f"{item:g}" else ""))
+                break
     return found

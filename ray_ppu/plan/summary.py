@@ -66,6 +66,14 @@ def _vision(cfg: RunConfig, plan) -> list[str]:
     parts["language"] = plan.num_parameters - sum(parts.values())
     described = ", ".join(f"{name} {_count(n)} ({'frozen' if name in v.freeze else 'trains'})"
                           for name, n in parts.items())
+    if v.native:  # images at their own size: the counts are of the nominal one
+        full = len(v.full_attention_layers)
+        return [f"components: {described}; {plan.num_trainable_parameters:,} parameters train; "
+                f"{v.image_tokens} tokens and {plan.flops_per_image:.3g} FLOPs per nominal "
+                f"image ({v.encoder} at native resolution, {v.min_pixels:,} … "
+                f"{v.max_pixels:,} pixels; counted at {v.image_size} × {v.image_size} px: "
+                f"{v.patches} patches, {v.num_layers} ViT layers, {full} of them over the whole "
+                f"image, the rest in {v.window_size}-px windows; replicated on each TP rank)"]
     return [f"components: {described}; {plan.num_trainable_parameters:,} parameters train; "
             f"{v.image_tokens} tokens and {plan.flops_per_image:.3g} FLOPs per image "
             f"({v.encoder} {v.image_size} px, {v.layers_built} ViT layers)"]

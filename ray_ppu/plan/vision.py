@@ -11,12 +11,15 @@ weight gradients. What a frozen part skips: a frozen ViT (the first thing in the
 forward only (2 FLOPs per multiply-add); a frozen projector behind a training ViT still
 passes input gradients back (4); anything that trains costs 6, as Megatron-LM counts, but
 the patch convolution, whose input (the pixels) needs no gradient (4). Checked against
-torch's FLOP counter on the model (tests/test_vl_training.py).
+torch's FLOP counter on the model (tests/test_vl_training.py). Qwen2.5-VL's tower (native
+resolution, window attention, a gated MLP, the 2 × 2 merger as projector, replicated over TP)
+is counted in :mod:`ray_ppu.plan.qwen_vision`; each function here hands it over.
 """
 
 from __future__ import annotations
 
 from ray_ppu.config.schema import RunConfig
+from ray_ppu.plan import qwen_vision
 
 
 def component_parameters(cfg: RunConfig) -> dict[str, int]:
@@ -24,6 +27,8 @@ def component_parameters(cfg: RunConfig) -> dict[str, int]:
     v = cfg.vision
     if not v.enabled:
         return {}
+    if v.native:
+        return qwen_vision.component_parameters(cfg)
     h, f, p = v.hidden_size, v.ffn_hidden_size, v.patch_size
     layer = (4 * h * h + 4 * h) + (2 * h * f + f + h) + 4 * h  # attention, MLP, two LayerNorms
     positions = v.patches + int(v.class_token)
@@ -40,6 +45,8 @@ def flops_per_image(cfg: RunConfig) -> float:
     v = cfg.vision
     if not v.enabled:
         return 0.0
+    if v.native:
+        return qwen_vision.flops_per_image(cfg)
     h, f, H = v.hidden_size, v.ffn_hidden_size, cfg.model.hidden_size
     n = v.patches + int(v.class_token)
     layers = v.layers_built * (n * (4 * h * h + 2 * h * f) + 2 * n * n * h)
@@ -51,6 +58,12 @@ def flops_per_image(cfg: RunConfig) -> float:
     vit = (6 * layers + 4 * patches) if vit_trains else 2 * (layers + patches)
     projector_factor = 6 if projector_trains else (4 if vit_trains else 2)
     return float(vit + projector_factor * projector)
+
+
+def per_device(cfg: RunConfig, count: int, tp: int) -> int:
+    """A TP rank's share of ``count`` image-side parameters: LLaVA's ViT and projector are
+    Megatron layers split over TP; Qwen2.5-VL's tower is replicated on every TP rank."""
+    return count if cfg.vision.native else count // tp
 
 
 def trainable_parameters(cfg: RunConfig) -> int:
@@ -70,6 +83,8 @@ def activation_bytes(cfg: RunConfig, micro_batch_size: int, tp: int, element_byt
     v = cfg.vision
     if not v.enabled:
         return 0.0
+    if v.native:  # replicated over TP: no share of it is split
+        return qwen_vision.activation_bytes(cfg, micro_batch_size, element_bytes)
     vit_trains = "vision" not in v.freeze
     projector_trains = "projector" not in v.freeze
     h, f, H, e = v.hidden_size, v.ffn_hidden_size, cfg.model.hidden_size, element_bytes

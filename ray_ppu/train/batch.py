@@ -17,6 +17,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.utils import get_attr_wrapped_model
 
+from ray_ppu.data.native_images import NativeImageSpec
+from ray_ppu.model.native_pixels import patchify
 from ray_ppu.model.pixels import normalize
 
 Microbatch = dict  # tokens, labels, loss_mask, position_ids: [micro_batch_size, seq_length]
@@ -30,8 +32,27 @@ _DTYPES = {"loss_mask": torch.float32, "images": torch.uint8}
 def _as_tensors(batch: dict, device: torch.device) -> dict:
     # torch.tensor copies (Ray Data hands out read-only arrays from its object store) and
     # widens the int32 ids to the int64 Megatron's embedding and loss expect.
-    return {k: torch.tensor(v, dtype=_DTYPES.get(k, torch.int64))
-            .to(device, non_blocking=True) for k, v in batch.items() if k != "sample_id"}
+    out = {k: torch.tensor(v, dtype=_DTYPES.get(k, torch.int64)).to(device, non_blocking=True)
+           for k, v in batch.items() if k not in ("sample_id", "pixels")}
+    if "pixels" in batch:  # native-resolution images: each row's uint8 bytes, one after another
+        flat = np.concatenate([np.asarray(row, np.uint8) for row in batch["pixels"]])
+        out["pixels"] = torch.from_numpy(flat).to(device, non_blocking=True)
+    return out
+
+
+def _native_images(data: Optional[dict], spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Qwen2.5-VL microbatch's images as (pixel_values [N, 3·t·p·p], grid_thw [n, 3]), row
+    by row: the uint8 bytes and each image's (H, W) broadcast over TP, then cut into patches
+    and normalised here, on the device (:func:`patchify`: the processor's values)."""
+    pixels = tensor_parallel.broadcast_data(["pixels"], data, torch.uint8)["pixels"]
+    meta = tensor_parallel.broadcast_data(["image_sizes", "num_images"], data, torch.int64)
+    used = (torch.arange(meta["image_sizes"].shape[1], device=pixels.device)
+            < meta["num_images"][:, None])
+    sizes = meta["image_sizes"][used].tolist()  # [(H, W)] of the microbatch's images, in order
+    images = torch.split(pixels, [3 * h * w for h, w in sizes])
+    pixel_values, grid = patchify([image.view(3, h, w) for image, (h, w) in zip(images, sizes)],
+                                  spec)
+    return pixel_values, grid.to(pixels.device)
 
 
 def _images(data: Optional[dict], spec) -> torch.Tensor:
@@ -100,13 +121,19 @@ def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.devi
     ints = tensor_parallel.broadcast_data(list(_INT_KEYS), data, torch.int64)
     floats = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32)
     batch = {**ints, **floats}
+    mrope = batch["position_ids"].dim() == 3  # M-RoPE's [b, 3, s] → GPTModel's [3, b, s]
+    if mrope:
+        batch["position_ids"] = batch["position_ids"].transpose(0, 1).contiguous()
     if images is not None and pre:
-        batch["images"] = _images(data, images)
+        native = isinstance(images, NativeImageSpec)
+        batch["images"] = _native_images(data, images) if native else _images(data, images)
     if packed:
         cu = tensor_parallel.broadcast_data(["cu_seqlens"], data, torch.int64)["cu_seqlens"]
         b, s = batch["tokens"].shape
-        if packed == "thd":
-            batch = {k: v if k == "images" else v.reshape(1, b * s) for k, v in batch.items()}
+        if packed == "thd":  # one row of b·s tokens (M-RoPE: [3, 1, b·s])
+            batch = {k: v if k == "images" else v.reshape(3, 1, b * s)
+                     if (k == "position_ids" and mrope) else v.reshape(1, b * s)
+                     for k, v in batch.items()}
             batch["packed_seq_params"] = thd_packed_seq_params(cu, s)
         else:
             batch["attention_mask"] = packed_attention_mask(cu, s)

@@ -14,11 +14,12 @@ inference. Hugging Face's ``apply_chat_template(return_assistant_tokens_mask=Tru
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from ray_ppu.data.sft.records import IMAGE_TAG, RecordProblem
 from ray_ppu.data.tokenizer import HFTokenizer, load_tokenizer
@@ -74,17 +75,33 @@ class _Rendering:
     prefixes: list[tuple[int, str, str]]
 
 
-def _content_events(content: str, turn: int, index: int,
-                    image_token: Optional[tuple[int, int]]) -> list[tuple]:
-    """A message content as events: its text, and with ``image_token`` (id, count) each
-    ``<image>`` tag as ``count`` image tokens (atomic, like the template's added tokens)."""
-    if image_token is None or IMAGE_TAG not in content:
+ImageTokens = Optional[Iterator[list[int]]]  # each image's ids in turn, None: tags are text
+
+
+def _image_iterators(image_token, n: int) -> list[ImageTokens]:
+    """Per conversation, an iterator over its images' token ids. ``image_token``: None; (id,
+    count), every image ``count`` copies of ``id`` (LLaVA); or per conversation a list of
+    each image's ids (Qwen2.5-VL: <|vision_start|>, its pads, <|vision_end|>)."""
+    if image_token is None:
+        return [None] * n
+    if isinstance(image_token, tuple):
+        token, count = image_token
+        return [itertools.repeat([token] * count) for _ in range(n)]
+    return [iter(images) for images in image_token]
+
+
+def _content_events(content: str, turn: int, index: int, images: ImageTokens) -> list[tuple]:
+    """A message content as events: its text, and with ``images`` each ``<image>`` tag as the
+    next image's tokens (atomic, like the template's added tokens)."""
+    if images is None or IMAGE_TAG not in content:
         return [("text", content, turn, index)]
-    token, count = image_token
     events: list[tuple] = []
     for k, piece in enumerate(content.split(IMAGE_TAG)):
         if k:
-            events.extend([("special", token, turn, -1)] * count)
+            ids = next(images, None)
+            if ids is None:
+                raise RecordProblem("image_tag_mismatch", f"more {IMAGE_TAG} tags than images")
+            events.extend(("special", token, turn, -1) for token in ids)
         if piece:
             events.append(("text", piece, turn, index))
     return events
@@ -169,16 +186,17 @@ class ChatEncoder:
             raise result
         return result
 
-    def encode_many(self, conversations: Sequence[list[dict]],
-                    image_token: Optional[tuple[int, int]] = None) -> list:
+    def encode_many(self, conversations: Sequence[list[dict]], image_token=None) -> list:
         """:meth:`encode` for many conversations with one tokenizer call; a problem is returned
         (a :class:`RecordProblem` in that conversation's place), not raised. ``image_token``
         (id, count): each ``<image>`` tag in a content becomes ``count`` copies of that id
-        (a vision-language model's image positions); None: tags are ordinary text."""
+        (a vision-language model's image positions); a list (per conversation) of lists (per
+        image) of ids: each tag becomes its image's ids; None: tags are ordinary text."""
         layouts, texts = [], []
-        for messages in conversations:
+        for messages, images in zip(conversations,
+                                    _image_iterators(image_token, len(conversations))):
             try:
-                layouts.append(self._layout(messages, texts, image_token))
+                layouts.append(self._layout(messages, texts, images))
             except RecordProblem as problem:
                 layouts.append(problem)
         # Most reference units repeat a unit of the turn-by-turn encoding (and templates repeat
@@ -191,14 +209,13 @@ class ChatEncoder:
 
     # --- the layout of one conversation, step by step ---------------------------------------
 
-    def _layout(self, messages: list[dict], texts: list[str],
-                image_token: Optional[tuple[int, int]] = None) -> dict:
+    def _layout(self, messages: list[dict], texts: list[str], images: ImageTokens = None) -> dict:
         """The units to encode turn by turn (``"segments"``: text or an added-token id, tagged
         with its assistant turn) and the units of the whole rendering (``"reference"``); their
         texts go to ``texts`` for one batch encode. Raises :class:`RecordProblem`."""
         rendering = self._render_marked(messages)
         spans = self._assistant_spans(rendering)
-        events = self._events(rendering, spans, image_token)
+        events = self._events(rendering, spans, images)
         return {"segments": self._units(events, texts, split_at_turns=True),
                 "reference": self._units(events, texts, split_at_turns=False)}
 
@@ -253,7 +270,7 @@ class ChatEncoder:
         return spans
 
     def _events(self, rendering: _Rendering, spans: list[tuple[int, int, int]],
-                image_token: Optional[tuple[int, int]] = None) -> list[tuple]:
+                images: ImageTokens = None) -> list[tuple]:
         """Step 3: the rendering as events, in order: ``("text", str, turn, content_of)``,
         ``("special", id, turn, -1)`` and ``("cut", None, turn, -1)`` where an assistant turn
         starts or ends (turn -1: outside every assistant turn; content_of -1: template text)."""
@@ -269,7 +286,7 @@ class ChatEncoder:
                 events.append(("cut", None, turn, -1))
             if a in content_at and full[a:b] == rendering.marks[content_at[a]]:
                 events.extend(_content_events(rendering.contents[content_at[a]], turn,
-                                              content_at[a], image_token))
+                                              content_at[a], images))
                 continue
             piece = full[a:b]
             if _MARK_OPEN in piece or _MARK_CLOSE in piece:  # a turn boundary inside a content

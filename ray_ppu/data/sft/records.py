@@ -37,12 +37,14 @@ DROP_REASONS = (
     "empty_image",        # zero width or height
     "image_too_large",    # more pixels than data.max_image_pixels
     "image_aspect",       # Qwen2.5-VL: one side over 200 times the other
+    "unsupported_media",  # a video or audio record (images only)
     "prompt_too_long",    # everything before the first assistant token fills the row
 )
 # ShareGPT / LLaVA speakers → chat roles
 SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
             "system": "system"}
 IMAGE_TAG = "<image>"
+MEDIA_KEYS = ("video", "videos", "audio", "audios")  # record keys of media ray_ppu does not train
 
 
 class RecordProblem(Exception):
@@ -139,7 +141,12 @@ def _sharegpt_messages(turns: object) -> object:
 
 def record_images(record: dict) -> list[str]:
     """The image paths of a record: ``image`` (one path or a list, LLaVA / caption form) or
-    ``images`` (chat form); [] for none."""
+    ``images`` (chat form); [] for none. A record with other media (video, audio) is refused:
+    ray_ppu trains on text and still images."""
+    other = [key for key in MEDIA_KEYS if key in record]
+    if other:
+        raise RecordProblem("unsupported_media", f"'{other[0]}': {other[0]} records are not "
+                            f"supported (text and still images only)")
     value = record.get("images", record.get("image"))
     if value is None:
         return []

@@ -18,7 +18,8 @@ import numpy as np
 
 from ray_ppu.data.sft.chat_encoder import ChatEncoder
 from ray_ppu.data.sft.files import file_entries, open_local, problem_or_raise, resolve_sft_inputs, windows
-from ray_ppu.data.sft.image_samples import (VisionData, check_fit, image_columns, read_images,
+from ray_ppu.data.sft.image_samples import (VisionData, check_fit, check_native_fit,
+                                            image_columns, read_images, read_native_images,
                                             whole_images)
 from ray_ppu.data.sft.records import (DROP_REASONS, RecordProblem, check_image_tags,
                                       conversation_from_record, record_images)
@@ -85,6 +86,8 @@ def process_window(entries: Sequence[tuple], encoder: ChatEncoder, options: SFTO
             _drop(stats, options, problem, entry[2])
     vision = options.vision
     image_token = (vision.token_id, vision.tokens_per_image) if vision else None
+    if vision is not None and vision.native:  # token counts depend on the images' sizes
+        good, image_token = _read_native(good, stats, options)
     samples = []
     for entry, result in zip(good, encoder.encode_many([e[1] for e in good], image_token)):
         try:
@@ -125,13 +128,32 @@ def _check_images(entry: tuple, options: SFTOptions) -> None:
     check_image_tags(entry[1], images)
 
 
+def _read_native(good: list, stats: dict, options: SFTOptions) -> tuple[list, list]:
+    """Native-resolution images: each record's images read (file bytes appended to its entry)
+    and sized; the records that fit, and each one's images' token ids for the encoder."""
+    vision, kept, ids = options.vision, [], []
+    for entry in good:
+        # (kind, conversation, where, images, record file): every field, the bytes after them
+        entry = (*entry[:3], entry[3] if len(entry) > 3 else [], entry[4] if len(entry) > 4 else "")
+        try:
+            paths = vision.resolve(entry[3], entry[4])
+            data, tokens = read_native_images(paths, vision)
+            check_native_fit(vision, options.row_length, tokens)
+        except RecordProblem as problem:
+            _drop(stats, options, problem, entry[2])
+            continue
+        kept.append((*entry, data))
+        ids.append([vision.image_ids(n) for n in tokens])
+    return kept, ids
+
+
 def _sample(entry: tuple, encoded: tuple, options: SFTOptions) -> tuple:
     """The sample of one encoded conversation (with its images' file bytes, for a
     vision-language model); a RecordProblem when it cannot be used."""
     length = options.row_length
     ids, mask = encoded
     vision, images = options.vision, (entry[3] if len(entry) > 3 else [])
-    if vision is not None:
+    if vision is not None and not vision.native:  # native: checked by _read_native
         check_fit(vision, length, len(images))
     sample = make_sample(ids, mask, length)
     if vision is not None and sample is not None:
@@ -143,6 +165,8 @@ def _sample(entry: tuple, encoded: tuple, options: SFTOptions) -> tuple:
                             f"{length}")
     if vision is None:
         return sample
+    if vision.native:  # read before encoding: the whole images' bytes
+        return (*sample, entry[5][:len(images)])
     return (*sample, read_images(vision.resolve(images, entry[4]), vision))
 
 

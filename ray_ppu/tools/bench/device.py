@@ -1,7 +1,8 @@
 """``benchmark.py device``: the options only a GPU / PPU runs (fp8, TE attention kernels,
 activation / optimizer offload, CP 2), on every visible device; then a MoE at EP 1 vs EP = the
 devices, with its token dispatcher's time and MFU; then a vision-language run (a 4-layer slice
-of llava-qwen2.5-7b with the whole SigLIP-so400m, Bunny's stage 2) with MFU and memory.
+of llava-qwen2.5-7b with the whole SigLIP-so400m, Bunny's stage 2) with MFU and memory; last
+the Qwen-VL row's LoRA fine-tuning on a slice of qwen2.5-vl-7B (:mod:`.qwen_vl`).
 
 This is the prepared script others run on a lent GPU. On one H200 (no Transformer Engine) the
 VL part took 89 s and the MoE part 35 s; each option is one torchrun of ~17 s of start-up plus
@@ -27,14 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_corpus_argument(parser)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=120, help="per option or MoE run")
-    parser.add_argument("--part", choices=("all", "options", "moe", "vl"), default="all",
-                        help="the option matrix, the MoE EP comparison, the vision-language "
-                             "run, or all three")
+    parser.add_argument("--part", choices=("all", "options", "moe", "vl", "qwen-vl"),
+                        default="all", help="the option matrix, the MoE EP comparison, the "
+                                            "LLaVA run, the Qwen2.5-VL LoRA run, or all four")
 
 
 def main(args) -> dict:
     from ray_ppu.tools import option_matrix
-    from ray_ppu.tools.bench import moe, vl
+    from ray_ppu.tools.bench import moe, qwen_vl, vl
 
     moe.require_cuda("benchmark.py device")  # before the corpus is built
     work, corpus = work_and_corpus(args)
@@ -46,4 +47,6 @@ def main(args) -> dict:
         results["moe"] = moe.device(corpus, args.iters, work / "moe", 2 * args.timeout + 120)
     if args.part in ("all", "vl"):  # under Ray Train: its start-up on top of the run
         results["vl"] = vl.device(work / "vl", args.iters, args.timeout + 120)
+    if args.part in ("all", "qwen-vl"):
+        results["qwen_vl"] = qwen_vl.device(work / "qwen_vl", args.iters, args.timeout + 120)
     return results

@@ -18,7 +18,8 @@ from ray_ppu.errors import ConfigError, MigrationError
 from ray_ppu.plan import Plan, build_plan
 from ray_ppu.tools.pai_migration.launch import ENV_VARS, Launch, Migration
 
-SECTIONS = ("model", "parallel", "training", "memory", "data", "output", "cluster", "checkpoint")
+SECTIONS = ("model", "parallel", "training", "memory", "data", "output", "cluster", "checkpoint",
+            "lora", "vision")
 
 # Words of build_plan's messages that name a setting without its config key.
 PROBLEM_WORDS = {
