@@ -51,7 +51,9 @@ class QwenVisionTower(HuggingFaceModule):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         dtype = self.visual.patch_embed.proj.weight.dtype
-        return self.visual(pixel_values.to(dtype), grid_thw=grid_thw).pooler_output
+        out = self.visual(pixel_values.to(dtype), grid_thw=grid_thw)
+        # transformers ≥ 5.2x: the merged tokens are the pooler output; earlier: the output
+        return out.pooler_output if hasattr(out, "pooler_output") else out
 
     def merger_parameters(self) -> list[torch.nn.Parameter]:
         """The patch merger's (the "projector" of ``vision.freeze``)."""

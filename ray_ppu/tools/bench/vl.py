@@ -17,8 +17,11 @@ llava-qwen2.5-7b layout (Bunny's shape: seq 1024, one image of 729 tokens per ro
 file bytes), the node's reader processes start as a launch starts them and decode every
 rank's images while 16 rank threads read (:func:`ray_ppu.tools.bench.data_path.stream_node`):
 the store's bytes per image against decoded pixels, the reader processes' PSS, the time to
-every rank's first batch, and images/s per rank delivered against consumed. Last, tiny-vl's
-step time in the demo's setting (2 CPU workers under Ray Train, stage 2 on the shapes corpus).
+every rank's first batch, and images/s per rank delivered against consumed. The same photos
+then go the Qwen2.5-VL path at the qwen2.5-vl-7B LoRA layout, at native resolution and packed
+(:func:`ray_ppu.tools.bench.qwen_vl.reader_figures`: also the row tokens used, packed against
+one padded sample per row). Last, tiny-vl's step time in the demo's setting (2 CPU workers
+under Ray Train, stage 2 on the shapes corpus).
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def _consumption() -> dict:
 
 def main(args) -> dict:
     from ray_ppu.data.images import ImageSpec, image_bytes_per_sample
+    from ray_ppu.tools.bench import qwen_vl
 
     work = Path(args.dir).resolve()
     paths = _photos(work / "photos", args.images)
@@ -124,6 +128,7 @@ def main(args) -> dict:
     print(f"one image on the wire / in the store: {figures['image_bytes_uint8'] / 1024:.0f} KiB "
           f"uint8 vs {figures['image_bytes_float32'] / 1024:.0f} KiB float32 (4.0x)")
     figures.update(_reader_figures(work, paths, args.iters, need["samples_per_s_per_ppu"]))
+    figures.update(qwen_vl.reader_figures(work, paths, args.iters))
     if args.tiny_iters:
         figures.update(_tiny_vl_step(work, args.tiny_iters))
     if args.json:
