@@ -105,8 +105,20 @@ def run_variants(variants: dict, base: list[str], nproc: int, out: Path,
         except subprocess.TimeoutExpired:
             error = f"timed out after {timeout:.0f} s"
         for name in names:
-            results[name] = _read(out / name, error)
+            results[name] = r = _read(out / name, error)
+            if separate:  # as each finishes: a device call cut short still shows what ran
+                print(f"{name}: {_progress(r)}", flush=True)
     return results
+
+
+def _progress(r: dict) -> str:
+    """One finished variant in a line."""
+    if not r["ran"]:
+        return f"did not run: {r['error']}"
+    peak = r.get("peak_memory_gib")
+    return (f"{1e3 * r['step_time_s']:.0f} ms/step, peak "
+            f"{'-' if peak is None else f'{peak:.1f} GiB'}, losses {r['losses'][0]:.3f} → "
+            f"{r['losses'][-1]:.3f}")
 
 
 def _last_error(stderr: str) -> str:

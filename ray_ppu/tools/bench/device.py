@@ -5,7 +5,8 @@ of llava-qwen2.5-7b with the whole SigLIP-so400m, Bunny's stage 2) with MFU and 
 the Qwen-VL row's LoRA fine-tuning on a slice of qwen2.5-vl-7B (:mod:`.qwen_vl`).
 
 This is the prepared script others run on a lent GPU. On one H200 (no Transformer Engine) the
-VL part took 89 s and the MoE part 35 s; each option is one torchrun of ~17 s of start-up plus
+VL part took 89 s, the MoE part 35 s and the Qwen2.5-VL part 154 s (its random bf16 base
+written first); each option is one torchrun of ~17 s of start-up plus
 its iterations, so the 13 options of one device need ~4-5 minutes. Its command line
 and its tables are a contract, so they change only together with their readers. ``--part``
 runs one of the two. The matrix is :func:`ray_ppu.tools.option_matrix.device`, the MoE part
