@@ -16,7 +16,13 @@ runs that load it (torch_dist reshards). Starting straight from the HF directory
 
 A LoRA run's checkpoint (adapters only) becomes a Hugging Face PEFT adapter directory
 (adapter_config.json + adapter_model.safetensors: peft.PeftModel.from_pretrained(base, DIR)),
-or with --merge its base with the adapters merged in, a plain Hugging Face model.
+or with --merge its base with the adapters merged in, a plain Hugging Face model. A
+Qwen2.5-VL run's PEFT adapter targets Qwen2_5_VLForConditionalGeneration's language model
+(transformers 5 module names); a LLaVA run's exports with --merge only.
+
+Vision-language models convert both ways too: LLaVA (LlavaForConditionalGeneration) and
+Qwen2.5-VL (written in the published spelling, ``model.*`` / ``visual.*`` / ``lm_head.weight``,
+with the source's preprocessor_config.json).
 
 mcore-to-hf needs one process and no device: it reads one layer at a time and writes ≤ 5 GB
 shards with an index, config.json (the source model's own when the run started from one),

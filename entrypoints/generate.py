@@ -49,7 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="an image for a vision-language model to answer about (repeat for "
                              "several): --prompt is then the user's question, in the chat "
-                             "template, its <image> tags (or the images first) the images")
+                             "template, its <image> tags (or the images first) the images; "
+                             "Qwen2.5-VL takes each at its own size (the model's min / max "
+                             "pixels) with M-RoPE positions")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--dump-logits", metavar="FILE", help="write the prompt's logits here")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
@@ -95,7 +97,8 @@ def prepare(args: argparse.Namespace) -> tuple:
     if images is not None and token_ids is None:
         from ray_ppu.offline.image_prompt import prompt_ids
 
-        prompt, stops = prompt_ids(tokenizer_dir, args.prompt, len(args.image), source.vision)
+        prompt, stops = prompt_ids(tokenizer_dir, args.prompt, len(args.image), source.vision,
+                                   images.get("tokens"))
     elif token_ids is not None:
         prompt = token_ids
     elif tokenizer is None:
@@ -104,7 +107,7 @@ def prepare(args: argparse.Namespace) -> tuple:
     else:
         prompt = tokenizer.encode(args.prompt)
     if images is not None:
-        wanted = len(args.image) * source.vision.image_tokens
+        wanted = sum(images.get("tokens") or [source.vision.image_tokens] * len(args.image))
         if prompt.count(source.vision.image_token_id) != wanted:
             raise ConfigError(f"the prompt holds {prompt.count(source.vision.image_token_id)} "
                               f"image tokens (id {source.vision.image_token_id}); "
@@ -122,21 +125,27 @@ def prepare(args: argparse.Namespace) -> tuple:
                                  vision=source.vision)
     stops = stops or ((tokenizer.eod,) if tokenizer is not None else ())
     return (source, tokenizer, prompt, backend, cfg, plan,
-            {"adapter": adapter, "trained": trained}, {"images": images, "stop": tuple(stops)})
+            {"adapter": adapter, "trained": trained}, {**(images or {}), "stop": tuple(stops)})
 
 
-def _images(args: argparse.Namespace, source, tokenizer_dir):
-    """--image's pixel values (None without it); a text model or a missing tokenizer is a
-    ConfigError."""
+def _images(args: argparse.Namespace, source, tokenizer_dir) -> Optional[dict]:
+    """--image's model inputs (None without it): ``images`` (LLaVA: pixel values; Qwen2.5-VL:
+    (pixel values, grid_thw), with each image's ``tokens`` and the M-RoPE ``positions_of``); a
+    text model or a missing tokenizer is a ConfigError."""
     if not args.image:
         return None
     if not source.vision.enabled:
         raise ConfigError(f"--image: {source.path} is a text model (no vision section)")
     if args.token_ids is None and tokenizer_dir is None:
         raise ConfigError(f"--image: no tokenizer for {source.path}: pass --tokenizer DIR")
-    from ray_ppu.offline.image_prompt import pixel_values
+    from ray_ppu.offline import image_prompt
 
-    return pixel_values(args.image, source.vision, source.hf_dir)
+    if source.vision.native:  # Qwen2.5-VL: each image at its own size, M-RoPE positions
+        pixels, grid, tokens = image_prompt.native_pixels(args.image, source.vision,
+                                                          source.hf_dir)
+        return {"images": (pixels, grid), "tokens": tokens,
+                "positions_of": image_prompt.mrope_of(grid, source.vision)}
+    return {"images": image_prompt.pixel_values(args.image, source.vision, source.hf_dir)}
 
 
 def _with_adapters(source, lora_dir: Optional[str]) -> tuple:
@@ -186,10 +195,10 @@ def main(argv=None) -> int:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         with inference.built_model(cfg, plan, backend, local_rank) as chunks:
             inference.load_weights(chunks, source, cfg, plan, **adapters)
-            device = devices.torch_device(backend)
-            images = extra["images"].to(device) if extra["images"] is not None else None
+            device = devices.torch_device(backend)  # greedy moves the images there
             new, logits = inference.greedy(chunks, prompt, source.model.vocab_size, device,
-                                           args.max_new_tokens, extra["stop"], images)
+                                           args.max_new_tokens, extra["stop"],
+                                           extra.get("images"), extra.get("positions_of"))
         if dist.get_rank() != 0:
             return 0
     result = {"checkpoint": str(source.path), "format": source.kind, "prompt_ids": prompt,

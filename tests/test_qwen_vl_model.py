@@ -27,6 +27,8 @@ import torch
 from ray_ppu.util.net import free_port
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
+# training layouts: (TP, PP, layers per virtual stage); the last interleaves 4 layers as 2 × 2
+TRAIN_LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (1, 2, 1)]
 IMAGE, START, END = 999, 997, 998  # <|image_pad|>, <|vision_start|>, <|vision_end|>
 SIZES = [(140, 112), (56, 168)]  # (height, width) in pixels: multiples of 28, no resize
 
@@ -40,7 +42,7 @@ def _qwen_vl(path: Path, published_names: bool) -> None:
     torch.manual_seed(0)
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=1000, hidden_size=64, intermediate_size=176,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          rms_norm_eps=1e-6, max_position_embeddings=4096,
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
                                           "rope_theta": 1e6}),
@@ -153,6 +155,18 @@ def test_logits_equal_transformers_at_every_layout(qwen_dirs, launched, spelling
         assert (ours - reference).abs().max() <= 1e-4, (spelling, tp, pp)
 
 
+def test_training_at_tp2_pp2_and_interleaved_gives_tp1s_losses(launched):
+    """Three optimizer steps of the whole model (tower, merger, language) on rows of native
+    images with M-RoPE positions: TP 2, PP 2 and PP 2 with virtual stages (whose middle
+    chunks read the positions too) give TP 1's losses, and training moves them."""
+    runs = {layout: json.loads((launched / f"train_{layout}.json").read_text())
+            for layout in ("1-1-None", "2-1-None", "1-2-None", "1-2-1")}
+    reference = runs["1-1-None"]["losses"]
+    assert reference[-1] < reference[0]
+    for layout, run in runs.items():
+        assert run["losses"] == pytest.approx(reference, abs=1e-5), layout
+
+
 def test_config_json_gives_the_model_and_vision_sections(qwen_dirs):
     from ray_ppu.config.loader import load
 
@@ -219,6 +233,82 @@ def _run_layouts(jobs: dict) -> None:
                             torch.save(arange, out / "arange_positions.pt")
                 if dist.get_rank() == 0:
                     torch.save(logits, out / f"{spelling}_tp{tp}_pp{pp}.pt")
+        for tp, pp, vp in TRAIN_LAYOUTS:
+            losses = _train(jobs["models"]["published"], tp, pp, vp)
+            if dist.get_rank() == 0:
+                (out / f"train_{tp}-{pp}-{vp}.json").write_text(json.dumps({"losses": losses}))
+
+
+def _rows(count: int, seq: int = 40) -> list[dict]:
+    """``count`` one-row microbatches: random text around one random 56 × 84 image (4 × 6
+    patches: 6 tokens between <|vision_start|> and <|vision_end|>), M-RoPE positions, the
+    loss after the image; as a reader sends them."""
+    import numpy as np
+
+    from ray_ppu.data.rope_index import mrope_positions
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(count):
+        tokens = rng.integers(0, 990, seq + 1)
+        tokens[3], tokens[4:10], tokens[10] = START, IMAGE, END
+        mask = np.zeros(seq, np.float32)
+        mask[10:] = 1.0
+        pixels = np.empty(1, object)
+        pixels[0] = rng.integers(0, 256, 3 * 56 * 84, dtype=np.uint8)
+        rows.append({"tokens": tokens[None, :-1], "labels": tokens[None, 1:], "loss_mask": mask[None],
+                     "position_ids": mrope_positions(tokens[:-1], [(1, 4, 6)], IMAGE)[None],
+                     "pixels": pixels, "image_sizes": np.array([[[56, 84]]], np.int32),
+                     "num_images": np.ones(1, np.int32)})
+    return rows
+
+
+def _train(directory: str, tp: int, pp: int, vp, steps: int = 3) -> list:
+    """``steps`` optimizer steps of the model in ``directory``, everything training, at
+    TP × PP (× virtual stages of ``vp`` layers), global batch 4 in one-row microbatches."""
+    import numpy as np
+    from megatron.core import parallel_state as ps
+
+    from ray_ppu import devices
+    from ray_ppu.config.loader import load
+    from ray_ppu.data.sampler import rank_sample_ids
+    from ray_ppu.data.sft.image_samples import vision_data
+    from ray_ppu.hf import pretrained
+    from ray_ppu.model import parallel
+    from ray_ppu.model.gpt import build_model
+    from ray_ppu.model.optim import build_optimizer
+    from ray_ppu.plan import build_plan
+    from ray_ppu.train.loop import wire_gradient_sync
+    from ray_ppu.train.schedule import make_schedule, mean_loss, sum_reports
+
+    cfg = load(None, [f"checkpoint.pretrained={directory}", "cluster.device=cpu",
+                      "cluster.num_workers=2", f"parallel.tensor_model_parallel_size={tp}",
+                      f"parallel.pipeline_model_parallel_size={pp}", "training.precision=fp32",
+                      *([f"parallel.num_layers_per_virtual_pipeline_stage={vp}"] if vp else []),
+                      "training.seq_length=40", "training.micro_batch_size=1",
+                      "training.global_batch_size=4", f"training.train_iters={steps}",
+                      "training.lr=1e-2", "training.lr_warmup_iters=0", "training.eval_iters=0",
+                      "data.dataset=sft", "data.data_path=[unused.jsonl]", "vision.freeze=[]"])
+    plan = build_plan(cfg)
+    rows, device = _rows(4), torch.device("cpu")
+    with devices.bound("cpu", 0), parallel.groups(plan, cfg.training.seed):
+        model, _ = build_model(cfg, plan, "cpu")
+        pretrained.load(model, cfg, plan.padded_vocab_size)
+        optimizer, _ = build_optimizer(cfg, plan, model)
+        wire_gradient_sync(model, optimizer)
+        schedule = make_schedule(plan, model, device, images=vision_data(cfg).spec)
+        ids = rank_sample_ids(np.arange(steps), ps.get_data_parallel_rank(),
+                              plan.data_parallel_size, 4, 1)
+        batches = iter([rows[i % 4] for i in ids])
+        losses = []
+        for _ in range(steps):
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            total = sum_reports(schedule(batches, forward_only=False), None)
+            assert optimizer.step()[0]
+            losses.append(mean_loss(total, device))
+    return losses
 
 
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed

@@ -14,7 +14,11 @@ ray_ppu adapts Megatron-Core's fused linears, so:
   Qwen3-MoE model's experts are transformers 5's fused 3-D parameters, adapted by PEFT's
   ``target_parameters``: ``mlp.experts.gate_up_proj`` (from ``experts.linear_fc1``) and
   ``mlp.experts.down_proj``, A [E·r, in] grouped by expert, B [out, r·E] interleaved (column
-  ``i·E + e`` is expert e's i-th).
+  ``i·E + e`` is expert e's i-th). A vision-language model's adapters sit on its language
+  model, whose modules PEFT sees under another prefix (Qwen2.5-VL in transformers 5:
+  ``model.language_model.layers.…``): ``language`` renames them, and ``target_modules`` is
+  then a regular expression over that prefix, since the vision tower has modules of the same
+  short names (``mlp.gate_proj``) that the adapter leaves alone.
 * **in** (:func:`adapter_tensors`): q / k / v adapters that share one A (an export of ours)
   become one ``linear_qkv`` adapter of that rank; otherwise they are stacked, A = [A_q; A_k;
   A_v] and B block-diagonal, an adapter of their summed rank whose output is exactly the three
@@ -30,7 +34,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -255,9 +259,12 @@ def _first_scale(adapter: PeftAdapter, model: ModelConfig, target: str, layer: i
 # ---------------------------------------------------------------------------------------------
 
 def to_peft(model: ModelConfig, target: str, layer: int, a: torch.Tensor,
-            b: torch.Tensor, both_expert_targets: bool) -> list[tuple[str, torch.Tensor]]:
+            b: torch.Tensor, both_expert_targets: bool,
+            language: Callable[[str], str] = lambda name: name
+            ) -> list[tuple[str, torch.Tensor]]:
     """PEFT tensors of one layer's ``target`` adapter (whole, Megatron layout; experts: A
-    [E, r, in], B [E, out, r])."""
+    [E, r, in], B [E, out, r]); ``language`` maps a causal LM's module name
+    (``model.layers.…``) to the adapted model's."""
     if target in EXPERT_PARAMETERS:
         n, r = a.shape[0], a.shape[1]
         stem = f"model.layers.{layer}.mlp.experts"
@@ -269,15 +276,18 @@ def to_peft(model: ModelConfig, target: str, layer: int, a: torch.Tensor,
     key = HF_MODULES[target][0]
     out = []
     for name, rows in weights.to_hf(model, model.vocab_size, key, layer, b):
-        module = name.removesuffix(".weight")
+        module = language(name.removesuffix(".weight"))
         out += [(f"{PREFIX}{module}.lora_A.weight", a.clone()),
                 (f"{PREFIX}{module}.lora_B.weight", rows)]
     return out
 
 
-def adapter_config(model: ModelConfig, lora: LoraConfig, base: Optional[str]) -> dict:
+def adapter_config(model: ModelConfig, lora: LoraConfig, base: Optional[str],
+                   layers: Optional[str] = None) -> dict:
     """adapter_config.json for the exported adapter: the most common rank and alpha as r and
-    lora_alpha, the others in rank_pattern / alpha_pattern."""
+    lora_alpha, the others in rank_pattern / alpha_pattern. ``layers``: the language model's
+    layers' prefix in a vision-language model (``model.language_model.layers``): the targets
+    are then matched under it alone."""
     targets = lora.targets(model.is_moe)
     short = {t: [n.rpartition(".")[2] for n in HF_MODULES[t][1]]
              for t in targets if t in HF_MODULES}
@@ -292,10 +302,14 @@ def adapter_config(model: ModelConfig, lora: LoraConfig, base: Optional[str]) ->
                 rank_pattern[name] = ranks[t]
             if lora.alpha_of(t) != alpha:
                 alpha_pattern[name] = lora.alpha_of(t)
+    modules = sorted(n for names in short.values() for n in names)
+    if layers is not None:  # PEFT full-matches a string against each module's name
+        whole = sorted(n for t in targets if t in HF_MODULES for n in HF_MODULES[t][1])
+        modules = rf"{re.escape(layers)}\.\d+\.({'|'.join(map(re.escape, whole))})"
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
         "r": r, "lora_alpha": alpha, "lora_dropout": lora.dropout,
-        "target_modules": sorted(n for names in short.values() for n in names),
+        "target_modules": modules,
         "target_parameters": [EXPERT_PARAMETERS[t] for t in targets if t in EXPERT_PARAMETERS]
         or None,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "bias": "none",

@@ -7,6 +7,12 @@ becoming the model's image tokens, as LLaVA's processor expands them; without ta
 go first, one tag per line, as LLaVA's training records put them. Template tokens (``<|im_start|>``
 …) are matched whole, as Hugging Face matches added tokens in a rendering. The pixels come from
 the same decoding and preprocessing as the training data (:mod:`ray_ppu.data.images`).
+
+Qwen2.5-VL (``vision.native``) takes each image at its own size, so an image's token count is
+known only once it is resized (:func:`native_pixels`): a tag becomes ``<|vision_start|>``, that
+many ``<|image_pad|>`` and ``<|vision_end|>``, as Qwen's processor expands its chat template's
+image entry (the ids from the vision section, so a tokenizer without the vision tokens works
+too), and the positions are M-RoPE's (:func:`mrope_of`), computed again for each longer sequence.
 """
 
 from __future__ import annotations
@@ -41,15 +47,66 @@ def pixel_values(paths: Sequence[str], vision: VisionConfig,
     return normalize(torch.stack(pixels), spec)
 
 
+def native_spec(vision: VisionConfig, model_dir: Optional[Path]):
+    """The Qwen2-VL image processor of ``model_dir`` (its preprocessor_config.json), else one
+    at the vision section's patch, merge and pixel range."""
+    import json
+
+    from ray_ppu.data.images import PROCESSOR_FILE
+    from ray_ppu.data.native_images import NativeImageSpec
+
+    path = Path(model_dir or "") / PROCESSOR_FILE
+    if model_dir is not None and path.is_file():
+        return NativeImageSpec.from_hf(json.loads(path.read_text()), str(path))
+    return NativeImageSpec(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                           temporal_patch_size=vision.temporal_patch_size,
+                           min_pixels=vision.min_pixels, max_pixels=vision.max_pixels)
+
+
+def native_pixels(paths: Sequence[str], vision: VisionConfig, model_dir: Optional[Path]
+                  ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(pixel_values [Σ patches, 3·t·p·p], grid_thw [n, 3], image tokens of each image) of the
+    images at ``paths`` at their own sizes; a bad image is a ConfigError naming it."""
+    from ray_ppu.data.native_images import load_native
+    from ray_ppu.model.native_pixels import patchify
+
+    spec = native_spec(vision, model_dir)
+    try:
+        images = [torch.from_numpy(load_native(p, spec, DataConfig.max_image_pixels))
+                  for p in paths]
+    except ImageProblem as problem:
+        raise ConfigError(f"--image: {problem}") from None
+    pixels, grid = patchify(images, spec)
+    return pixels, grid, [int(t * h * w) // spec.merge_size ** 2 for t, h, w in grid.tolist()]
+
+
+def mrope_of(grid: torch.Tensor, vision: VisionConfig):
+    """``positions_of(tokens) -> [3, len(tokens)]``: M-RoPE positions of a sequence holding
+    these images' token runs in order (the prompt, and the prompt with its continuation)."""
+    import numpy as np
+
+    from ray_ppu.data.rope_index import mrope_positions
+
+    grids = grid.tolist()
+
+    def positions_of(tokens: list[int]) -> torch.Tensor:
+        return torch.from_numpy(mrope_positions(np.asarray(tokens), grids, vision.image_token_id,
+                                                vision.spatial_merge_size))
+
+    return positions_of
+
+
 def prompt_ids(tokenizer_dir: str | Path, question: str, images: int,
-               vision: VisionConfig) -> tuple[list[int], list[int]]:
+               vision: VisionConfig, native_tokens: Optional[list[int]] = None
+               ) -> tuple[list[int], list[int]]:
     """(token ids of the chat prompt asking ``question`` about ``images`` images, the ids that
-    end an answer: the template's end-of-turn and the tokenizer's end of text)."""
+    end an answer: the template's end-of-turn and the tokenizer's end of text).
+    ``native_tokens``: a Qwen2.5-VL model's image tokens of each image."""
     from ray_ppu.data.sft.chat_encoder import ChatEncoder
 
     tags = question.count(IMAGE_TAG)
-    if tags == 0:
-        question = f"{IMAGE_TAG}\n" * images + question
+    if tags == 0:  # LLaVA's records: a tag per line; Qwen's template: the images run on
+        question = (IMAGE_TAG if native_tokens else f"{IMAGE_TAG}\n") * images + question
     elif tags != images:
         raise ConfigError(f"--prompt has {tags} {IMAGE_TAG} tag(s) for {images} --image(s)")
     try:
@@ -61,8 +118,12 @@ def prompt_ids(tokenizer_dir: str | Path, question: str, images: int,
     pieces = re.split("(" + "|".join(map(re.escape, sorted([IMAGE_TAG, *special], key=len,
                                                              reverse=True))) + ")", text)
     ids: list[int] = []
+    counts = iter(native_tokens or [])
     for piece in pieces:
-        if piece == IMAGE_TAG:
+        if piece == IMAGE_TAG and native_tokens:
+            start = vision.vision_start_token_id
+            ids += [start] + [vision.image_token_id] * next(counts) + [start + 1]
+        elif piece == IMAGE_TAG:
             ids += [vision.image_token_id] * vision.image_tokens
         elif piece in special:
             ids.append(special[piece])

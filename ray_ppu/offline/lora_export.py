@@ -6,7 +6,9 @@ adapters are read one layer at a time, whatever layout saved them.
 
 * :func:`export_peft`: ``adapter_config.json`` + ``adapter_model.safetensors``, which
   ``peft.PeftModel.from_pretrained`` loads onto the base (:func:`ray_ppu.hf.peft.to_peft`
-  splits a fused adapter into q / k / v and gate / up adapters sharing its A).
+  splits a fused adapter into q / k / v and gate / up adapters sharing its A). Qwen2.5-VL's
+  adapters go onto ``Qwen2_5_VLForConditionalGeneration``'s language model, named as PEFT
+  finds it in transformers 5 (:data:`VL_LAYERS`); LLaVA's are refused (use --merge).
 * :func:`export_merged`: every weight of the base with ``(alpha / r)·B·A`` added to each
   adapted one (in fp32, then cast), and the base parts the run trained taken from the
   checkpoint: a plain Hugging Face model. From a Hugging Face base its tensors are streamed
@@ -50,6 +52,8 @@ def lora_source(path: str | Path) -> tuple[Source, LoraConfig]:
     return source, LoraConfig(**source.meta.lora)
 
 
+# Qwen2.5-VL's language model layers as PEFT names them on transformers 5's module tree
+VL_LAYERS = "model.language_model.layers"
 _MODEL_PREFIXES = ("decoder", "embedding", "output_layer")  # not optimizer, rng, scheduler
 _IMAGE_PREFIXES = (llava_weights.VISION, llava_weights.PROJECTOR)
 
@@ -106,28 +110,31 @@ def export_peft(checkpoint: str | Path, out: str | Path) -> dict:
     """Write the PEFT adapter of a LoRA checkpoint into ``out``; returns a summary."""
     started = time.perf_counter()
     source, lora = lora_source(checkpoint)
-    model = source.model
-    if source.vision.enabled:
+    model, native = source.model, source.vision.native
+    if source.vision.enabled and not native:
         raise ConfigError(f"{source.path} is a vision-language LoRA run: export it with "
                           f"--merge (a LLaVA model); PEFT adapters for LLaVA are not written yet")
     trained = _Trained(source)
-    if trained.parts:
-        raise ConfigError(f"{source.path} also trained {', '.join(lora.trainable)} (full "
-                          f"weights, which a PEFT adapter does not carry): export it with "
-                          f"--merge")
+    if trained.parts or trained.image_parts:
+        what = lora.trainable + (["the vision tower"] if trained.image_parts else [])
+        raise ConfigError(f"{source.path} also trained {', '.join(what)} (full weights, which "
+                          f"a PEFT adapter does not carry): export it with --merge")
+    language = ((lambda name: VL_LAYERS + name.removeprefix("model.layers")) if native
+                else (lambda name: name))
     out = Path(out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     experts = sum(t in peft.EXPERT_PARAMETERS for t in lora.targets(model.is_moe)) == 2
     for layer in range(model.num_layers):
         for target, (a, b) in _adapters(trained.layer(layer)).items():
-            tensors.update(peft.to_peft(model, target, layer, a, b, experts))
+            tensors.update(peft.to_peft(model, target, layer, a, b, experts, language))
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / peft.WEIGHTS_FILE),
               metadata={"format": "pt"})
     config = peft.adapter_config(model, lora, source.meta.hf_source or
-                                 (source.meta.base or {}).get("path"))
+                                 (source.meta.base or {}).get("path"),
+                                 VL_LAYERS if native else None)
     (out / peft.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return {"checkpoint": str(source.path), "out": str(out), "format": "peft",
             "tensors": len(tensors), "bytes": sum(t.numel() * t.element_size()

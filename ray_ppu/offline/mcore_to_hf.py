@@ -5,6 +5,11 @@ tensor's global shape; torch.distributed.checkpoint reads one layer's slab of ea
 tensor at a time (whatever layout wrote it), :func:`ray_ppu.hf.weights.to_hf` cuts it into
 Hugging Face tensors and :class:`ray_ppu.hf.files.ShardedWriter` streams them into ≤ 5 GB
 safetensors shards. Peak memory is one shard plus one layer, not the model.
+
+A vision-language model's image side follows the language model: LLaVA's ViT and projector
+through :mod:`ray_ppu.hf.llava_weights`; Qwen2.5-VL's tower, transformers' own module stored
+whole under its own names (``vision_model.visual.…``), is written back as ``visual.…``, the
+published spelling (:data:`ray_ppu.hf.qwen_vl.EXPORT_NAMES`) that every transformers loads.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from ray_ppu.data.images import PROCESSOR_FILE, image_spec
 from ray_ppu.errors import ConfigError
 from ray_ppu.hf import config as hf_config
-from ray_ppu.hf import llava, llava_weights, weights
+from ray_ppu.hf import llava, llava_weights, qwen_vl, weights
 from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, ShardedWriter
 
 # What a Hugging Face model directory carries besides weights and config.json.
@@ -137,7 +142,8 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     out_dtype = DTYPES[dtype] if dtype else stored[prefix + weights.QKV][1]
     out.mkdir(parents=True, exist_ok=True)
     writer = ShardedWriter(out, max_shard_bytes)
-    rename = llava_weights.EXPORT_NAMES.text if vision.enabled else (lambda name: name)
+    rename = (qwen_vl.EXPORT_NAMES.text if vision.native else llava_weights.EXPORT_NAMES.text
+              if vision.enabled else (lambda name: name))
 
     def emit(key: str, layer: Optional[int], tensor: torch.Tensor,
              expert: Optional[int] = None) -> None:
@@ -148,14 +154,19 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
 
     _export_language(reader, stored, model, prefix, emit)
     whole_tower = False
-    if vision.enabled:
+    if vision.native:
+        _export_tower(reader, stored, lambda name, t: writer.add(name, t.to(out_dtype)),
+                      adjust_image or (lambda key, layer, tensor: tensor))
+    elif vision.enabled:
         whole_tower = _export_image_parts(reader, stored, model, vision, source.hf_dir,
                                           lambda name, t: writer.add(name, t.to(out_dtype)),
                                           adjust_image or (lambda key, layer, tensor: tensor))
     files = writer.close()
 
     base = source.meta.hf_config
-    if vision.enabled:
+    if vision.native:
+        config = qwen_vl.qwen_vl_to_hf(model, vision, hf_dtype_name(out_dtype), base)
+    elif vision.enabled:
         config = llava.llava_to_hf(model, vision, hf_dtype_name(out_dtype), base, whole_tower)
     else:
         config = hf_config.to_hf(model, hf_dtype_name(out_dtype), base)
@@ -252,6 +263,18 @@ def _export_image_parts(reader, stored: dict, model, vision, source_dir: Optiona
     return False
 
 
+def _export_tower(reader, stored: dict, add: Callable, adjust: Callable) -> None:
+    """Qwen2.5-VL's tower (patch embedding, blocks, merger): each stored tensor whole, under
+    the published name (``visual.…``); ``adjust`` as for LLaVA's image parts."""
+    keys = sorted(k for k in stored if k.startswith(qwen_vl.TOWER))
+    if not keys:
+        raise ConfigError(f"the checkpoint holds no {qwen_vl.TOWER}* tensors (a Qwen2.5-VL "
+                          f"model's vision tower)")
+    for key in keys:  # one at a time: a block's tensors are MBs
+        tensor = adjust(key, None, _whole(reader, stored, [key])[key])
+        add(qwen_vl.EXPORT_NAMES.tower + key[len(qwen_vl.TOWER):], tensor)
+
+
 def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[str]:
     """Tokenizer files, generation config and a vision-language model's image processor
     config: copied from the first source holding each, else written from the config."""
@@ -261,6 +284,9 @@ def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[st
         generation = {k: text[k] for k in ("bos_token_id", "eos_token_id") if k in text}
         (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
     if vision.enabled and PROCESSOR_FILE not in copied:  # the encoder family's processor
-        (out / PROCESSOR_FILE).write_text(json.dumps(image_spec(vision).to_hf(), indent=2) + "\n")
+        from ray_ppu.offline.image_prompt import native_spec
+
+        spec = native_spec(vision, None) if vision.native else image_spec(vision)
+        (out / PROCESSOR_FILE).write_text(json.dumps(spec.to_hf(), indent=2) + "\n")
         copied.append(PROCESSOR_FILE)
     return copied

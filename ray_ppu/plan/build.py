@@ -59,6 +59,8 @@ class Plan:
     # what trains (all of it, but for LoRA: the adapters and the base parts lora.trainable names)
     num_trainable_parameters: int = 0
     num_trainable_parameters_per_device: int = 0
+    # M-RoPE (Qwen2.5-VL): the positions travel with the data and every stage reads them
+    positions_in_data: bool = False
 
     @property
     def dims(self) -> ParallelDims:
@@ -69,6 +71,7 @@ class Plan:
             self.context_parallel_size,
             self.expert_model_parallel_size,
             self.expert_tensor_parallel_size,
+            every_stage_reads=self.positions_in_data,
         )
 
     def to_dict(self) -> dict:
@@ -115,6 +118,7 @@ def build_plan(cfg: RunConfig, forward_only: bool = False) -> Plan:
         eval_iters=t.eval_iters,
         valid_samples=evaluations * t.eval_iters * t.global_batch_size,
         packed_sequences=cfg.data.dataset == "sft" and cfg.data.packing,
+        positions_in_data=cfg.model.mrope_section is not None,
         padded_vocab_size=padded_vocab,
         kv_channels=m.effective_kv_channels,
         num_parameters=total,

@@ -50,13 +50,6 @@ def vision_problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     if p.context_parallel_size > 1:
         found.append(f"vision.encoder with CP {p.context_parallel_size}: images are written into "
                      f"whole sequences; use CP 1")
-    if v.native and (p.pipeline_model_parallel_size > 2
-                     or p.num_layers_per_virtual_pipeline_stage is not None):
-        # M-RoPE's positions come with the data, which only the first and last stage read
-        found.append(f"vision.encoder={v.encoder} with PP {p.pipeline_model_parallel_size}"
-                     f"{' and virtual stages' if p.num_layers_per_virtual_pipeline_stage else ''}"
-                     f": M-RoPE positions reach the first and last pipeline stages only; use "
-                     f"PP ≤ 2 without virtual stages")
     if not 0 <= v.image_token_id < cfg.model.vocab_size:
         found.append(f"vision.image_token_id={v.image_token_id} is outside the vocabulary "
                      f"(model.vocab_size={cfg.model.vocab_size})")

@@ -100,7 +100,7 @@ def thd_packed_seq_params(cu_seqlens: torch.Tensor, seq_length: int):
 
 
 def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.device,
-              packed: Optional[str] = None, images=None) -> dict:
+              packed: Optional[str] = None, images=None, every_chunk: bool = False) -> dict:
     """Next microbatch for this model chunk, broadcast from TP rank 0 to its TP group.
 
     First pipeline stage needs tokens and positions, the last needs labels and the loss mask;
@@ -109,11 +109,12 @@ def get_batch(batches: Optional[Iterator[Microbatch]], model, device: torch.devi
     every rank builds the block-diagonal mask (``packed="mask"``), or, for Transformer Engine
     (``"thd"``), the THD parameters of the microbatch flattened into one row of b·s tokens.
     ``images``: a vision-language model's ImageSpec; the first stage then also gets the
-    microbatch's images, normalised on the device.
+    microbatch's images, normalised on the device. ``every_chunk``: M-RoPE, whose positions
+    come with the data and which every chunk's attention needs, so every chunk reads.
     """
     pre = get_attr_wrapped_model(model, "pre_process")
     post = get_attr_wrapped_model(model, "post_process")
-    if not (pre or post):
+    if not (pre or post or every_chunk):
         return {}
     data = None
     if parallel_state.get_tensor_model_parallel_rank() == 0:
@@ -151,8 +152,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(batches, model, device: torch.device, packed: Optional[str] = None,
-                 images=None):
-    batch = get_batch(batches, model, device, packed, images)
+                 images=None, every_chunk: bool = False):
+    batch = get_batch(batches, model, device, packed, images, every_chunk)
     extra = {"images": batch["images"]} if "images" in batch else {}
     output = model(
         batch.get("tokens"),

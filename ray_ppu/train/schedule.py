@@ -4,9 +4,10 @@ DP, and the validation pass that runs it forward only."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from functools import partial
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,21 @@ def sum_reports(reports: list, total: Optional[torch.Tensor]) -> Optional[torch.
     return total
 
 
+class _Shared:
+    """One global batch's microbatches read by several model chunks of an interleaved
+    pipeline (M-RoPE: every chunk needs the positions), each chunk taking them in order: the
+    first chunk to ask for microbatch k reads it, the others get the same one."""
+
+    def __init__(self, batches) -> None:
+        self.batches, self.read = batches, []
+
+    def view(self) -> Iterator[dict]:
+        for k in itertools.count():
+            if k == len(self.read):
+                self.read.append(next(self.batches))
+            yield self.read[k]
+
+
 def _schedule(forward_backward, step, model: list, plan: Plan, flattened: bool, batches,
               forward_only: bool) -> list:
     """One global batch through Megatron's pipeline schedule; returns the loss reports.
@@ -43,11 +59,15 @@ def _schedule(forward_backward, step, model: list, plan: Plan, flattened: bool, 
     which is the activation shape pipeline stages exchange."""
     mbs, seq = ((1, plan.micro_batch_size * plan.seq_length) if flattened
                 else (plan.micro_batch_size, plan.seq_length))
+    # interleaved pipelines take one iterator per virtual stage; only the first and last
+    # chunks pull from it, but with M-RoPE every chunk does (a view each of the shared batch)
+    iterators = batches
+    if len(model) > 1:
+        shared = _Shared(batches) if plan.positions_in_data and batches is not None else None
+        iterators = [shared.view() if shared else batches for _ in model]
     return forward_backward(
         forward_step_func=step,
-        # interleaved pipelines take one iterator per virtual stage; only the first and last
-        # chunks pull from it
-        data_iterator=[batches] * len(model) if len(model) > 1 else batches,
+        data_iterator=iterators,
         model=model if len(model) > 1 else model[0],
         num_microbatches=plan.num_microbatches,
         seq_length=seq,
@@ -62,7 +82,8 @@ def make_schedule(plan: Plan, model: list, device: torch.device, packed: Optiona
     """``schedule(batches, forward_only)``: one global batch through Megatron's forward-backward
     function (picked for the parallel state), with :func:`forward_step`; returns loss reports.
     ``images``: a vision-language model's ImageSpec (its microbatches carry images)."""
-    step = partial(forward_step, device=device, packed=packed, images=images)
+    step = partial(forward_step, device=device, packed=packed, images=images,
+                   every_chunk=plan.positions_in_data)
     return partial(_schedule, get_forward_backward_func(), step, model, plan, packed == "thd")
 
 

@@ -1,7 +1,7 @@
 """The device case of Qwen2.5-VL: the seed's Qwen-VL row (LoRA, bf16, seq 2048, mbs 2) on a
 4-layer slice of qwen2.5-vl-7B with its whole tower, under Ray Train on every visible GPU / PPU.
 
-Photo-like 640 × 480 JPEGs (:func:`ray_ppu.tools.bench.vl._photos`) at native resolution:
+Photo-like 640 × 480 JPEGs (:func:`ray_ppu.tools.bench.common.photos`) at native resolution:
 ``smart_resize`` makes them 476 × 644, 34 × 46 patches, 391 tokens after the 2 × 2 merge, so
 packed rows of 2048 tokens hold four samples. The tower stays frozen and LoRA adapts the
 language model, as Qwen-VL's ``finetune_lora_ds.sh`` trains (its ViT fixed); the figures are
@@ -25,12 +25,12 @@ DEVICE_RUN = ["model.preset=qwen2.5-vl-7B", "model.num_layers=4", "vision.freeze
 
 def records(out: Path, count: int = 64) -> Path:
     """``count`` one-image chat records over the benchmark's photos (made once)."""
-    from ray_ppu.tools.bench.vl import _photos
+    from ray_ppu.tools.bench.common import photos
 
     path = out / "qwen_vl.jsonl"
-    photos = _photos(out / "photos", count)
+    pictures = photos(out / "photos", count)
     with open(path, "w", encoding="utf-8") as f:
-        for i, photo in enumerate(photos):
+        for i, photo in enumerate(pictures):
             f.write(json.dumps({"messages": [
                 {"role": "user", "content": "<image>Describe the picture."},
                 {"role": "assistant", "content": f"Coloured shapes on a gradient, number {i}."}],

@@ -45,31 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the figures here")
 
 
-def _photos(root: Path, count: int) -> list[Path]:
-    """``count`` 640 × 480 JPEGs (quality 90) made once under ``root``."""
-    import numpy as np
-    from PIL import Image, ImageDraw
-
-    root.mkdir(parents=True, exist_ok=True)
-    paths = [root / f"photo_{i:05d}.jpg" for i in range(count)]
-    rng = np.random.default_rng(0)
-    for path in paths:
-        if path.exists():
-            continue
-        y, x = np.mgrid[0:480, 0:640]
-        base = np.stack([(x * rng.uniform(0.1, 0.4) + y * rng.uniform(0.1, 0.4)) % 256
-                         for _ in range(3)], axis=-1)
-        noisy = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-        image = Image.fromarray(noisy)
-        pen = ImageDraw.Draw(image)
-        for _ in range(6):
-            x0, y0 = rng.integers(0, 560), rng.integers(0, 400)
-            pen.ellipse((x0, y0, x0 + rng.integers(20, 80), y0 + rng.integers(20, 80)),
-                        fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
-        image.save(path, quality=90)
-    return paths
-
-
 def _decode_rate(paths: list[Path], spec) -> float:
     from ray_ppu.data.images import load_image
 
@@ -101,9 +76,10 @@ def _consumption() -> dict:
 def main(args) -> dict:
     from ray_ppu.data.images import ImageSpec, image_bytes_per_sample
     from ray_ppu.tools.bench import qwen_vl
+    from ray_ppu.tools.bench.common import photos
 
     work = Path(args.dir).resolve()
-    paths = _photos(work / "photos", args.images)
+    paths = photos(work / "photos", args.images)
     spec = ImageSpec.siglip(384)
     rate = _decode_rate(paths, spec)
     need = _consumption()
