@@ -65,7 +65,7 @@ def test_exported_tokenizer_gives_tiktokens_ids(hf):
         assert hf.decode(hf.encode(text)) == text
     # Special tokens spelled out in a document stay text for both backends: no fake EOD.
     assert QWEN2_EOD not in hf.encode(MULTILINGUAL[-1])
-    assert hf.eod == QWEN2_EOD and hf.vocab_size == 151_646  # 151643 BPE tokens + 3 specials
+    assert hf.eod == QWEN2_EOD and hf.vocab_size == 151_657  # 151643 BPE + 3 ChatML + 11 markup
     assert hf.decode([151_644, 151_645, QWEN2_EOD]) == "<|im_start|><|im_end|><|endoftext|>"
 
 

@@ -172,18 +172,31 @@ def test_wandb_offline_history_holds_every_row(tmp_path):
         summary = feed.finish("FINISHED", [out / "plan.json"])
     assert summary["wandb"]["dropped"] == 0
     [run_file] = (out / "wandb").glob(f"offline-run-*/run-{summary['wandb']['run_id']}.wandb")
+    history: dict = {}
+    deadline = time.monotonic() + 60  # wandb's service process may still be writing it
+    while len(history) < 4 and time.monotonic() < deadline:
+        try:
+            history = _wandb_history(run_file, wandb_internal_pb2)
+        except Exception:  # a chunk half written: read again
+            history = {}
+        time.sleep(0.5 if len(history) < 4 else 0)
+    assert sorted(history) == [1, 2, 3, 4]
+    assert [history[i]["train/lm_loss"] for i in (1, 2, 3, 4)] == [
+        _train(i)["lm_loss"] for i in (1, 2, 3, 4)]
+    assert history[4]["valid/lm_loss"] == 9.0
+
+
+def _wandb_history(run_file, pb2) -> dict:
+    """{step: logged items} of the history records in a .wandb file."""
     history = {}
     for data in _wandb_records(run_file.read_bytes()):
-        record = wandb_internal_pb2.Record()
+        record = pb2.Record()
         record.ParseFromString(data)
         if record.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
                      for i in record.history.item}
             history[int(items["_step"])] = items
-    assert sorted(history) == [1, 2, 3, 4]
-    assert [history[i]["train/lm_loss"] for i in (1, 2, 3, 4)] == [
-        _train(i)["lm_loss"] for i in (1, 2, 3, 4)]
-    assert history[4]["valid/lm_loss"] == 9.0
+    return history
 
 
 def _wandb_records(raw: bytes):
