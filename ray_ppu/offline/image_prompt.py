@@ -47,27 +47,12 @@ def pixel_values(paths: Sequence[str], vision: VisionConfig,
     return normalize(torch.stack(pixels), spec)
 
 
-def native_spec(vision: VisionConfig, model_dir: Optional[Path]):
-    """The Qwen2-VL image processor of ``model_dir`` (its preprocessor_config.json), else one
-    at the vision section's patch, merge and pixel range."""
-    import json
-
-    from ray_ppu.data.images import PROCESSOR_FILE
-    from ray_ppu.data.native_images import NativeImageSpec
-
-    path = Path(model_dir or "") / PROCESSOR_FILE
-    if model_dir is not None and path.is_file():
-        return NativeImageSpec.from_hf(json.loads(path.read_text()), str(path))
-    return NativeImageSpec(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
-                           temporal_patch_size=vision.temporal_patch_size,
-                           min_pixels=vision.min_pixels, max_pixels=vision.max_pixels)
-
-
 def native_pixels(paths: Sequence[str], vision: VisionConfig, model_dir: Optional[Path]
                   ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(pixel_values [Σ patches, 3·t·p·p], grid_thw [n, 3], image tokens of each image) of the
     images at ``paths`` at their own sizes; a bad image is a ConfigError naming it."""
     from ray_ppu.data.native_images import load_native
+    from ray_ppu.data.sft.image_samples import native_spec
     from ray_ppu.model.native_pixels import patchify
 
     spec = native_spec(vision, model_dir)

@@ -284,7 +284,7 @@ def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[st
         generation = {k: text[k] for k in ("bos_token_id", "eos_token_id") if k in text}
         (out / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
     if vision.enabled and PROCESSOR_FILE not in copied:  # the encoder family's processor
-        from ray_ppu.offline.image_prompt import native_spec
+        from ray_ppu.data.sft.image_samples import native_spec
 
         spec = native_spec(vision, None) if vision.native else image_spec(vision)
         (out / PROCESSOR_FILE).write_text(json.dumps(spec.to_hf(), indent=2) + "\n")

@@ -72,7 +72,8 @@ def open_source(path: str | Path) -> Source:
         if raw.get("model_type") == "qwen2_5_vl":
             from ray_ppu.hf import qwen_vl
 
-            model, vision = qwen_vl.qwen_vl_from_hf(raw, where)
+            # the tower from config.json, the pixel bounds from preprocessor_config.json
+            model, vision = qwen_vl.qwen_vl_from_hf(raw, where)[0], qwen_vl.directory_vision(path)
             qwen_vl.Parts.of(str(path)).check(model, vision)
             return Source(path, "hf", model, hf_config=raw, vision=vision)
         if llava.is_llava(raw):

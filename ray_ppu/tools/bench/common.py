@@ -106,3 +106,24 @@ def photos(root: Path, count: int) -> list[Path]:
                         fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
         image.save(path, quality=90)
     return paths
+
+
+def device_run_figures(run: Path, setting: str, accelerator: str, label: str) -> dict:
+    """A device run's figures from its metrics.jsonl, printed as one line under ``label``:
+    step time, images/s, TFLOP/s and MFU over the steady windows (the first holds the first
+    step's compilation), peak memory and the losses."""
+    from ray_ppu.devices.specs import SPECS
+
+    rows = [r for r in metrics_rows(run) if "lm_loss" in r]
+    steady = rows[1:] or rows
+    tflops = sum(r["tflops_per_device"] for r in steady) / len(steady)
+    figures = {"setting": setting, "losses": [r["lm_loss"] for r in rows],
+               "step_time_s": sum(r["step_time_s"] for r in steady) / len(steady),
+               "images_per_s": sum(r["images_per_s"] for r in steady) / len(steady),
+               "tflops_per_device": tflops, "mfu": tflops / SPECS[accelerator].bf16_tflops,
+               "peak_memory_gib": max(r.get("peak_memory_gib", 0.0) for r in rows)}
+    print(f"{label} ({setting}): {figures['step_time_s'] * 1e3:.0f} ms/step, "
+          f"{figures['images_per_s']:.1f} images/s, {tflops:.1f} TFLOP/s per device, MFU "
+          f"{figures['mfu']:.1%}, peak {figures['peak_memory_gib']:.1f} GiB; losses "
+          f"{figures['losses'][0]:.3f} → {figures['losses'][-1]:.3f}")
+    return figures

@@ -75,8 +75,8 @@ def device(out: Path, iters: int, timeout: float) -> dict:
 
     import torch
 
-    from ray_ppu.devices.specs import SPECS, accelerator_of
-    from ray_ppu.tools.bench.common import metrics_rows
+    from ray_ppu.devices.specs import accelerator_of
+    from ray_ppu.tools.bench.common import device_run_figures
 
     nproc, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
     accelerator = accelerator_of(name)
@@ -93,20 +93,8 @@ def device(out: Path, iters: int, timeout: float) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"benchmark.py device's Qwen2.5-VL part failed (exit "
                          f"{proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = [r for r in metrics_rows(run) if "lm_loss" in r]
-    steady = rows[1:] or rows  # the first window holds the first step's compilation
-    tflops = sum(r["tflops_per_device"] for r in steady) / len(steady)
-    figures = {"setting": f"qwen2.5-vl-7B with 4 language layers, LoRA, frozen tower, bf16, "
-                          f"{nproc} × {name}", "losses": [r["lm_loss"] for r in rows],
-               "step_time_s": sum(r["step_time_s"] for r in steady) / len(steady),
-               "images_per_s": sum(r["images_per_s"] for r in steady) / len(steady),
-               "tflops_per_device": tflops, "mfu": tflops / SPECS[accelerator].bf16_tflops,
-               "peak_memory_gib": max(r.get("peak_memory_gib", 0.0) for r in rows)}
-    print(f"Qwen2.5-VL ({figures['setting']}): {figures['step_time_s'] * 1e3:.0f} ms/step, "
-          f"{figures['images_per_s']:.1f} images/s, {tflops:.1f} TFLOP/s per device, MFU "
-          f"{figures['mfu']:.1%}, peak {figures['peak_memory_gib']:.1f} GiB; losses "
-          f"{figures['losses'][0]:.3f} → {figures['losses'][-1]:.3f}")
-    return figures
+    return device_run_figures(run, f"qwen2.5-vl-7B with 4 language layers, LoRA, frozen "
+                              f"tower, bf16, {nproc} × {name}", accelerator, "Qwen2.5-VL")
 
 
 def reader_figures(work: Path, photos: list, iters: int) -> dict:
