@@ -9,6 +9,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def launch_torchrun(script: str, jobs: dict, out: Path, timeout: float = 600) -> Path:
+    """Run ``script``'s ``__main__`` under torchrun on 2 CPU ranks with ``jobs`` (written to
+    ``out/jobs.json``, its one argument); ``out`` back once every rank exited cleanly."""
+    import json
+    import subprocess
+
+    from ray_ppu.util.net import free_port
+
+    (out / "jobs.json").write_text(json.dumps(jobs))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port("127.0.0.1")), script, str(out / "jobs.json")],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
 sys.path.insert(0, str(REPO))
 
 SIMULATED_PPUS = 4

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, launch_torchrun
 from ray_ppu.util.net import free_port
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.config.presets import PRESETS
@@ -122,14 +122,7 @@ def launched(hf_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     jobs = {"out": str(out), "models": {k: str(v) for k, v in hf_dirs.items()},
             "layouts": LAYOUTS, "convert": list(CONVERTED)}
-    (out / "jobs.json").write_text(json.dumps(jobs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port("127.0.0.1")), __file__, str(out / "jobs.json")],
-        capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return launch_torchrun(__file__, jobs, out, timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 from test_hf import _transformer_engine_device
-from ray_ppu.util.net import free_port
+from conftest import launch_torchrun
 
 TOKENS = [5, 17, 300, 999, 42, 7, 8, 9, 123, 456, 2, 0, 77]  # 12 inputs: SP splits them
 RANK, ALPHA = 4, 8.0
@@ -288,13 +287,7 @@ def launched(peft_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora_layouts")
     jobs = {"out": str(out), "dirs": {k: str(v) for k, v in peft_dirs.items()}, "runs": RUNS,
             "train": TRAIN}
-    (out / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port("127.0.0.1")), __file__, str(out / "jobs.json")],
-        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return launch_torchrun(__file__, jobs, out, timeout=900)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=run_name)

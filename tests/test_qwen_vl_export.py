@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_ppu.util.net import free_port
+from conftest import launch_torchrun
+
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE, START = 151_655, 151_652
@@ -128,13 +129,7 @@ def launched(qwen_dir):
     out.mkdir()
     jobs = {"out": str(out), "hf": str(qwen_dir), "reference": str(qwen_dir.parent /
                                                                     "reference.pt")}
-    (out / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port("127.0.0.1")), __file__, str(out / "jobs.json")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return launch_torchrun(__file__, jobs, out, timeout=600)
 
 
 def _hf_logits(model, reference: dict) -> torch.Tensor:

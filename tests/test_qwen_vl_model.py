@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ray_ppu.util.net import free_port
+from conftest import launch_torchrun
+
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
 # training layouts: (TP, PP, layers per virtual stage); the last interleaves 4 layers as 2 × 2
@@ -120,13 +119,7 @@ def launched(qwen_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen_vl_layouts")
     jobs = {"out": str(out), "models": {k: str(v) for k, v in qwen_dirs.items()},
             "reference": str(qwen_dirs["transformers5"] / "reference.pt"), "layouts": LAYOUTS}
-    (out / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port("127.0.0.1")), __file__, str(out / "jobs.json")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return launch_torchrun(__file__, jobs, out, timeout=600)
 
 
 def test_the_prompt_has_two_images_of_different_sizes(qwen_dirs):

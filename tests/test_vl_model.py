@@ -15,7 +15,6 @@ PP 2 and writes the logits of a prompt holding two images.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from ray_ppu.config.loader import ConfigError
-from ray_ppu.util.net import free_port
+from conftest import launch_torchrun
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
 # Bunny's stages: 1 trains the projector, 2 the projector and the language model; stage 1 at
@@ -108,13 +107,7 @@ def launched(llava_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("vl_layouts")
     jobs = {"out": str(out), "models": {k: str(v) for k, v in llava_dirs.items()},
             "layouts": LAYOUTS}
-    (out / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port("127.0.0.1")), __file__, str(out / "jobs.json")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return out
+    return launch_torchrun(__file__, jobs, out, timeout=600)
 
 
 @pytest.mark.parametrize("kind", KINDS)
