@@ -109,6 +109,50 @@ def tiny_llava_dir(tmp_path_factory, qwen2_tokenizer_dir):
     return path
 
 
+def random_qwen_vl(path: Path, *, vocab: int = 151_936, text_layers: int = 2,
+                   tower_layers: int = 4, full_attention: tuple = (1, 3), tied: bool = True,
+                   sharp: bool = False, published_names: bool = False,
+                   ids: tuple = (151_655, 151_652, 151_656)):
+    """A random tiny Qwen2.5-VL (tiny-qwen-vl's shape: width 64, M-RoPE [2, 3, 3], a tower of
+    width 32 with 56-pixel windows) saved to ``path``; the model back. ``sharp``: norms and
+    biases drawn at random and attention weights drawn wide, so that positions and mix-ups
+    move the logits (~0.1 for plain positions instead of M-RoPE's; 1e-4 at transformers'
+    0.02). ``published_names``: tensors spelled as the published checkpoints (``model.…``,
+    ``visual.…``), not as transformers 5 saves them. ``ids``: <|image_pad|>, <|vision_start|>
+    (<|vision_end|> the next) and <|video_pad|>, Qwen2's by default."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=176,
+                         num_hidden_layers=text_layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=32_768, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                          "rope_theta": 1e6}),
+        vision_config=dict(depth=tower_layers, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=64, fullatt_block_indexes=list(full_attention),
+                           window_size=56),
+        image_token_id=ids[0], vision_start_token_id=ids[1], vision_end_token_id=ids[1] + 1,
+        video_token_id=ids[2], tie_word_embeddings=tied)
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    if sharp:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                    param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+                elif name.endswith(("q_proj.weight", "k_proj.weight", "attn.qkv.weight")):
+                    param.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    if published_names:  # model.language_model.X → model.X, model.visual.X → visual.X
+        tensors = load_file(path / "model.safetensors")
+        save_file({n.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
+                   : t for n, t in tensors.items()}, path / "model.safetensors",
+                  metadata={"format": "pt"})
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen_vl_dir(tmp_path_factory, qwen2_tokenizer_dir):
     """tiny-qwen-vl as a Hugging Face Qwen2.5-VL directory (the real Qwen2 vocabulary, random
@@ -116,25 +160,12 @@ def tiny_qwen_vl_dir(tmp_path_factory, qwen2_tokenizer_dir):
     processor beside it."""
     import shutil
 
-    import torch
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
     path = tmp_path_factory.mktemp("tiny_qwen_vl") / "tiny-qwen-vl"
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=151_936, hidden_size=64, intermediate_size=176,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=32_768, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                          "rope_theta": 1e6}),
-        vision_config=dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2,
-                           out_hidden_size=64, fullatt_block_indexes=[1, 3], window_size=56),
-        image_token_id=151_655, vision_start_token_id=151_652, vision_end_token_id=151_653,
-        video_token_id=151_656, tie_word_embeddings=True)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path)
+    random_qwen_vl(path)  # Qwen2's ids: <|image_pad|> 151655, <|vision_start|> 151652
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(Path(qwen2_tokenizer_dir) / name, path / name)

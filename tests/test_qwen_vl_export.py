@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import launch_torchrun
+from conftest import launch_torchrun, random_qwen_vl
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,32 +42,9 @@ LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "rank_pattern": {"linear_qkv":
 
 
 def _model(path: Path) -> None:
-    """The random tiny Qwen2.5-VL, saved in the published spelling (fp32)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=151_936, hidden_size=64, intermediate_size=176,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         rms_norm_eps=1e-6, max_position_embeddings=4096,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                          "rope_theta": 1e6}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                           out_hidden_size=64, fullatt_block_indexes=[1], window_size=56),
-        image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=START + 1,
-        video_token_id=151_656, tie_word_embeddings=False)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_q" in name or name.endswith("bias"):
-                param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-            elif name.endswith(("q_proj.weight", "k_proj.weight", "attn.qkv.weight")):
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    tensors = load_file(path / "model.safetensors")
-    save_file({n.replace("model.language_model.", "model.").replace("model.visual.", "visual."):
-               t for n, t in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    """The random tiny Qwen2.5-VL (2 + 2 layers, untied), saved in the published spelling."""
+    random_qwen_vl(path, tower_layers=2, full_attention=(1,), tied=False, sharp=True,
+                   published_names=True)
 
 
 def _tokenizer(source: Path, path: Path) -> None:

@@ -1,15 +1,17 @@
 """Qwen2.5-VL against transformers' ``Qwen2_5_VLForConditionalGeneration``.
 
 A tiny random Qwen2.5-VL is built offline from config objects and saved with
-``save_pretrained``: a 4-layer tower (window attention in layers 0 and 2, whole-image attention
-in 1 and 3, 56-pixel windows so the larger image spans several), a Qwen2.5 language model with
-M-RoPE sections [2, 3, 3] of its 16-channel heads. Norms and biases are drawn at random too,
-so a mix-up shows, and the attention weights are drawn wide enough for
-positions to matter (wrong M-RoPE positions move the logits by ~0.1). One prompt holds two real images of different sizes (Pillow drawings
-through transformers' own image processor): 10 × 8 and 4 × 12 patches, 20 and 12 image tokens.
+``save_pretrained`` (conftest's ``random_qwen_vl``): a 4-layer tower (window attention in layers
+0 and 2, whole-image attention in 1 and 3, 56-pixel windows so the larger image spans
+several), a 4-layer Qwen2.5 language model with M-RoPE sections [2, 3, 3] of its 16-channel
+heads. Norms and biases are drawn at random too, so a mix-up shows, and the attention weights
+wide enough for positions to matter (wrong M-RoPE positions move the logits by ~0.1). One
+prompt holds two real images of different sizes (Pillow drawings through transformers' own
+image processor): 10 × 8 and 4 × 12 patches, 20 and 12 image tokens.
 
 One torchrun launch of two CPU ranks (this file's ``__main__``) loads it at TP 1, TP 2 and
-PP 2 and writes the logits of that prompt, with transformers' own M-RoPE positions.
+PP 2 and writes the logits of that prompt, with transformers' own M-RoPE positions; then
+trains it three steps at TP 1, TP 2, PP 2 and PP 2 with virtual stages.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import launch_torchrun
+from conftest import launch_torchrun, random_qwen_vl
 
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
@@ -30,41 +32,6 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
 TRAIN_LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (1, 2, 1)]
 IMAGE, START, END = 999, 997, 998  # <|image_pad|>, <|vision_start|>, <|vision_end|>
 SIZES = [(140, 112), (56, 168)]  # (height, width) in pixels: multiples of 28, no resize
-
-
-def _qwen_vl(path: Path, published_names: bool) -> None:
-    """A random tiny Qwen2.5-VL saved to ``path`` (``published_names``: tensor names as the
-    published checkpoints spell them, ``model.layers.…`` / ``visual.…``)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=1000, hidden_size=64, intermediate_size=176,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         rms_norm_eps=1e-6, max_position_embeddings=4096,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                          "rope_theta": 1e6}),
-        vision_config=dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2,
-                           out_hidden_size=64, fullatt_block_indexes=[1, 3], window_size=56),
-        image_token_id=IMAGE, vision_start_token_id=START, vision_end_token_id=END,
-        video_token_id=996, tie_word_embeddings=True)
-    model = Qwen2_5_VLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_q" in name or name.endswith("bias"):
-                param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-            elif name.endswith(("q_proj.weight", "k_proj.weight", "attn.qkv.weight")):
-                # sharp attention, so positions matter: with transformers' 0.02 the logits
-                # of arange positions differ from M-RoPE's by 1e-4, here by ~0.1
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(path)
-    if published_names:  # model.language_model.X → model.X, model.visual.X → visual.X
-        tensors = load_file(path / "model.safetensors")
-        renamed = {n.replace("model.language_model.", "model.").replace("model.visual.", "visual.")
-                   : t for n, t in tensors.items()}
-        save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
-    return model
 
 
 def _images() -> list:
@@ -97,7 +64,9 @@ def qwen_dirs(tmp_path_factory):
     dirs = {}
     for spelling in ("transformers5", "published"):
         path = tmp_path_factory.mktemp(f"qwen_vl_{spelling}")
-        model = _qwen_vl(path, spelling == "published")
+        # 4 text layers: PP 2 × 2 virtual stages of one layer each
+        model = random_qwen_vl(path, vocab=1000, text_layers=4, sharp=True,
+                               published_names=spelling == "published", ids=(IMAGE, START, 996))
         dirs[spelling] = path
     processed = Qwen2VLImageProcessorPil()(_images(), return_tensors="pt")
     pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
