@@ -54,6 +54,18 @@ def attention_pairs(cfg: RunConfig) -> int:
     return full * n * n + (v.num_layers - full) * windowed
 
 
+def by_freeze(freeze: list, layers: float, patches: float, projector: float) -> float:
+    """FLOPs of an image side from its multiply-adds (encoder layers, patch embedding,
+    projector) and what ``vision.freeze`` keeps from training: what trains costs 6 FLOPs per
+    multiply-add, but the patch embedding, whose input (the pixels) needs no gradient, 4; a
+    frozen encoder runs forward only (2); a frozen projector behind a training encoder still
+    passes input gradients back (4)."""
+    encoder_trains = "vision" not in freeze
+    projector_trains = "projector" not in freeze
+    encoder = (6 * layers + 4 * patches) if encoder_trains else 2 * (layers + patches)
+    return float(encoder + (6 if projector_trains else 4 if encoder_trains else 2) * projector)
+
+
 def flops_per_image(cfg: RunConfig) -> float:
     """FLOPs of one nominal image through the tower and the merger, forward and backward as
     far as they train: per layer n·(4h² + 3hf) in its linears, 2·h per query-key pair
@@ -64,12 +76,7 @@ def flops_per_image(cfg: RunConfig) -> float:
     patches = n * 3 * v.temporal_patch_size * v.patch_size ** 2 * h
     m = h * v.spatial_merge_size ** 2
     merger = v.image_tokens * (m * m + m * H)
-    tower_trains = "vision" not in v.freeze
-    merger_trains = "projector" not in v.freeze
-    # the patch Conv3d's input is the pixels: no input gradient, only its weight's
-    tower = (6 * layers + 4 * patches) if tower_trains else 2 * (layers + patches)
-    merger_factor = 6 if merger_trains else (4 if tower_trains else 2)
-    return float(tower + merger_factor * merger)
+    return by_freeze(v.freeze, layers, patches, merger)
 
 
 def activation_bytes(cfg: RunConfig, micro_batch_size: int, element_bytes: int) -> float:

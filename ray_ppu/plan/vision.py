@@ -52,12 +52,7 @@ def flops_per_image(cfg: RunConfig) -> float:
     layers = v.layers_built * (n * (4 * h * h + 2 * h * f) + 2 * n * n * h)
     patches = v.patches * h * 3 * v.patch_size ** 2
     projector = v.image_tokens * (h * H + H * H)
-    vit_trains = "vision" not in v.freeze
-    projector_trains = "projector" not in v.freeze
-    # the patch convolution's input is the pixels: no input gradient, only its weight's
-    vit = (6 * layers + 4 * patches) if vit_trains else 2 * (layers + patches)
-    projector_factor = 6 if projector_trains else (4 if vit_trains else 2)
-    return float(vit + projector_factor * projector)
+    return qwen_vision.by_freeze(v.freeze, layers, patches, projector)
 
 
 def per_device(cfg: RunConfig, count: int, tp: int) -> int:
