@@ -5,7 +5,7 @@ names, loading at any TP / PP.
 model's keys at the top level, ``rope_scaling: {type: mrope, mrope_section}``) and
 transformers 5's (a ``text_config`` with ``rope_parameters``); both hold a ``vision_config``
 (``depth``, ``num_heads``, ``fullatt_block_indexes``, …). The language model is Qwen2.5's
-(read by :func:`ray_ppu.hf.config.model_from_hf`) plus its ``mrope_section``.
+plus its ``mrope_section`` (:func:`ray_ppu.hf.config.qwen_vl_text`).
 
 The tensors also come in two spellings: ``model.layers.…`` / ``visual.…`` / ``lm_head.weight``
 (the published files) and ``model.language_model.layers.…`` / ``model.visual.…`` (transformers

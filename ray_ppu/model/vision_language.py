@@ -1,4 +1,4 @@
-"""A LLaVA-architecture model on Megatron-Core: a ViT, an MLP projector and a GPTModel.
+"""A vision-language model on Megatron-Core: an image encoder, a projector and a GPTModel.
 
 Megatron-Core's own pieces do the work: ``CLIPViTModel`` (its ``siglip`` and ``clip``
 subtypes) encodes the images, ``MultimodalProjector`` maps their patch features to the
@@ -16,6 +16,11 @@ Face's ``masked_scatter``), then scatters the sequence over TP for SP and runs t
 
 The encoder and projector live on the first pipeline stage (they feed its embeddings); later
 stages hold only their share of the decoder, exactly as for text.
+
+Qwen2.5-VL (``vision.native``) shares the glue but not the encoder: its tower is transformers'
+module (:mod:`ray_ppu.model.qwen_vision`, replicated over TP) with its merger as the
+projector, each image takes its own number of placeholder tokens, and the GPTModel's RoPE is
+M-RoPE, whose [3, b, s] positions come with the data.
 """
 
 from __future__ import annotations
