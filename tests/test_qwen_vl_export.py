@@ -266,23 +266,11 @@ def _lora_checkpoint(jobs: dict, base: str, out: Path) -> None:
         if dist.get_rank() == 0:
             torch.save(logits, out / "lora_logits.pt")
 
-        # a training save holds what trains (adapters) and records the lora section; here,
-        # without an optimizer, the saver is told so
-        sharded = saver._sharded_state
-        saver._sharded_state = lambda model, opt, is_loading, part="all": sharded(
-            model, opt, is_loading, "trainable")
-
-        class LoraSaver(saver.Saver):
-            def _complete(self, path, iteration, tag, error=None, weights_only=False):
-                return super()._complete(path, iteration, tag, error, False)
-
-        try:
-            LoraSaver(out / "lora", plan, cfg, origin={
-                "base": {"path": base, "kind": "mcore", "fingerprint": "test"},
-                "hf_source": jobs["hf"], "hf_config": source.meta.hf_config,
-            }).save(1, chunks, None, None)
-        finally:
-            saver._sharded_state = sharded
+        # what a LoRA run's training save holds: the adapters, and its lora section in meta
+        saver.Saver(out / "lora", plan, cfg, origin={
+            "base": {"path": base, "kind": "mcore", "fingerprint": "test"},
+            "hf_source": jobs["hf"], "hf_config": source.meta.hf_config,
+        }).save(1, chunks, None, None, trained_only=True)
 
 
 def _run(jobs: dict) -> None:

@@ -154,10 +154,12 @@ class Saver:
 
 
     def save(self, iteration: int, model: list, optimizer, scheduler, tag=None,
-             on_dir: Optional[Callable[[Path], None]] = None) -> list[tuple]:
+             on_dir: Optional[Callable[[Path], None]] = None,
+             trained_only: bool = False) -> list[tuple]:
         """Start (async) or write (sync) the checkpoint after ``iteration`` iterations;
         ``on_dir`` is told the directory it writes as soon as it exists (the hang watchdog
-        watches it grow).
+        watches it grow). ``trained_only``: without an optimizer too, write what the run
+        trains (a LoRA run's adapters) and record it as a training save does.
 
         1. Rank 0 creates a fresh ``iter_…`` directory; every rank learns its name.
         2. Every rank writes (or stages) its shards of model, optimizer and RNG states
@@ -177,7 +179,8 @@ class Saver:
         if on_dir is not None:
             on_dir(path)
         # a conversion (no optimizer) writes every weight; a LoRA run what it trains
-        part = parts.of_run(self.cfg) if optimizer is not None else "all"
+        weights_only = optimizer is None and not trained_only
+        part = "all" if weights_only else parts.of_run(self.cfg)
         state = _sharded_state(model, optimizer, is_loading=False, part=part)
         state["iteration"] = iteration
         state["consumed_samples"] = consumed_samples(iteration, self.plan.global_batch_size)
@@ -195,9 +198,9 @@ class Saver:
         except _save_errors() as err:
             error = _write_error(err)
         if self.queue is None or error is not None:
-            return [self._complete(path, iteration, tag, error, optimizer is None)]
+            return [self._complete(path, iteration, tag, error, weights_only)]
         self.pending[self.queue.schedule_async_request(request)] = (
-            path, iteration, tag, None, optimizer is None)
+            path, iteration, tag, None, weights_only)
         return []
 
     def poll(self, blocking: bool = False) -> list[tuple]:
