@@ -153,6 +153,22 @@ def random_qwen_vl(path: Path, *, vocab: int = 151_936, text_layers: int = 2,
     return model
 
 
+def qwen_vl_reference(model, ids, pixels, grid, image_id: int) -> dict:
+    """What transformers' Qwen2.5-VL ``model`` makes of one prompt ``ids`` [1, n] with its
+    images (processor's pixel values and grids): the ids, images, M-RoPE positions
+    (``get_rope_index``) and logits the tests compare ray_ppu with."""
+    import torch
+
+    with torch.no_grad():
+        mm_types = (ids == image_id).int()
+        positions, _ = model.model.get_rope_index(ids, mm_token_type_ids=mm_types,
+                                                  image_grid_thw=grid)
+        logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=mm_types).logits[0]
+    return {"ids": ids[0].tolist(), "pixels": pixels, "grid": grid,
+            "positions": positions[:, 0], "logits": logits}
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen_vl_dir(tmp_path_factory, qwen2_tokenizer_dir):
     """tiny-qwen-vl as a Hugging Face Qwen2.5-VL directory (the real Qwen2 vocabulary, random

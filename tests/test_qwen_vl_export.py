@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import launch_torchrun, random_qwen_vl
+from conftest import launch_torchrun, qwen_vl_reference, random_qwen_vl
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,14 +85,7 @@ def qwen_dir(tmp_path_factory, qwen2_tokenizer_dir):
     ids = torch.tensor([tokenizer(text.replace("<|image_pad|>", "<|image_pad|>" * tokens))
                         ["input_ids"]])
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
-    with torch.no_grad():
-        mm_types = (ids == IMAGE).int()
-        positions, _ = model.model.get_rope_index(ids, mm_token_type_ids=mm_types,
-                                                  image_grid_thw=grid)
-        logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
-                       mm_token_type_ids=mm_types).logits[0]
-    torch.save({"ids": ids[0].tolist(), "pixels": pixels, "grid": grid,
-                "positions": positions[:, 0], "logits": logits}, path.parent / "reference.pt")
+    torch.save(qwen_vl_reference(model, ids, pixels, grid, IMAGE), path.parent / "reference.pt")
     return path
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import launch_torchrun, random_qwen_vl
+from conftest import launch_torchrun, qwen_vl_reference, random_qwen_vl
 
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (TP, PP); DP makes up the 2 ranks
@@ -70,15 +70,7 @@ def qwen_dirs(tmp_path_factory):
         dirs[spelling] = path
     processed = Qwen2VLImageProcessorPil()(_images(), return_tensors="pt")
     pixels, grid = processed["pixel_values"], processed["image_grid_thw"]
-    ids = torch.tensor([_prompt(grid)])
-    with torch.no_grad():
-        mm_types = (ids == IMAGE).int()
-        positions, _ = model.model.get_rope_index(ids, mm_token_type_ids=mm_types,
-                                                  image_grid_thw=grid)
-        logits = model(input_ids=ids, pixel_values=pixels, image_grid_thw=grid,
-                       mm_token_type_ids=mm_types).logits[0]
-    reference = {"ids": ids[0].tolist(), "pixels": pixels, "grid": grid,
-                 "positions": positions[:, 0], "logits": logits}
+    reference = qwen_vl_reference(model, torch.tensor([_prompt(grid)]), pixels, grid, IMAGE)
     torch.save(reference, dirs["transformers5"] / "reference.pt")
     return dirs
 

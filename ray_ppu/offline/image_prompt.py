@@ -39,12 +39,15 @@ def pixel_values(paths: Sequence[str], vision: VisionConfig,
     from ray_ppu.model.pixels import normalize
 
     spec = image_spec(vision, model_dir)
+    return normalize(torch.stack(_loaded(paths, load_image, spec)), spec)
+
+
+def _loaded(paths: Sequence[str], load, spec) -> list[torch.Tensor]:
+    """Each image as ``load`` makes its uint8 pixels; a bad image is a ConfigError naming it."""
     try:
-        pixels = [torch.from_numpy(load_image(p, spec, DataConfig.max_image_pixels))
-                  for p in paths]
+        return [torch.from_numpy(load(p, spec, DataConfig.max_image_pixels)) for p in paths]
     except ImageProblem as problem:
         raise ConfigError(f"--image: {problem}") from None
-    return normalize(torch.stack(pixels), spec)
 
 
 def native_pixels(paths: Sequence[str], vision: VisionConfig, model_dir: Optional[Path]
@@ -56,12 +59,7 @@ def native_pixels(paths: Sequence[str], vision: VisionConfig, model_dir: Optiona
     from ray_ppu.model.native_pixels import patchify
 
     spec = native_spec(vision, model_dir)
-    try:
-        images = [torch.from_numpy(load_native(p, spec, DataConfig.max_image_pixels))
-                  for p in paths]
-    except ImageProblem as problem:
-        raise ConfigError(f"--image: {problem}") from None
-    pixels, grid = patchify(images, spec)
+    pixels, grid = patchify(_loaded(paths, load_native, spec), spec)
     return pixels, grid, [int(t * h * w) // spec.merge_size ** 2 for t, h, w in grid.tolist()]
 
 

@@ -108,12 +108,22 @@ def photos(root: Path, count: int) -> list[Path]:
     return paths
 
 
-def device_run_figures(run: Path, setting: str, accelerator: str, label: str) -> dict:
-    """A device run's figures from its metrics.jsonl, printed as one line under ``label``:
-    step time, images/s, TFLOP/s and MFU over the steady windows (the first holds the first
-    step's compilation), peak memory and the losses."""
+def device_run_figures(overrides: list[str], run: Path, timeout: float, setting: str,
+                       accelerator: str, label: str) -> dict:
+    """``entrypoints/pretrain.py`` with ``overrides`` (writing ``run``; a failure stops the
+    benchmark with its stderr), then its figures from metrics.jsonl, printed as one line under
+    ``label``: step time, images/s, TFLOP/s and MFU over the steady windows (the first holds
+    the first step's compilation), peak memory and the losses."""
+    import subprocess
+    import sys
+
     from ray_ppu.devices.specs import SPECS
 
+    proc = subprocess.run([sys.executable, "entrypoints/pretrain.py", *overrides,
+                           f"output.dir={run}"], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark.py device's {label} part failed (exit {proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
     rows = [r for r in metrics_rows(run) if "lm_loss" in r]
     steady = rows[1:] or rows
     tflops = sum(r["tflops_per_device"] for r in steady) / len(steady)

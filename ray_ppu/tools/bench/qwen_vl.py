@@ -70,9 +70,6 @@ def random_base(out: Path, overrides: list[str], device: str = "cpu") -> Path:
 
 def device(out: Path, iters: int, timeout: float) -> dict:
     """The Qwen2.5-VL LoRA slice on every visible device (DP); its figures, printed."""
-    import subprocess
-    import sys
-
     import torch
 
     from ray_ppu.devices.specs import accelerator_of
@@ -87,14 +84,10 @@ def device(out: Path, iters: int, timeout: float) -> dict:
                  f"checkpoint.pretrained={base}", f"cluster.num_workers={nproc}",
                  f"cluster.accelerator={accelerator}",
                  f"training.global_batch_size={8 * nproc}",  # nproc DP × 2 mbs × 4 microbatches
-                 f"training.train_iters={iters}", f"output.dir={run}"]
-    proc = subprocess.run([sys.executable, "entrypoints/pretrain.py", *overrides],
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"benchmark.py device's Qwen2.5-VL part failed (exit "
-                         f"{proc.returncode}):\n{proc.stderr[-3000:]}")
-    return device_run_figures(run, f"qwen2.5-vl-7B with 4 language layers, LoRA, frozen "
-                              f"tower, bf16, {nproc} × {name}", accelerator, "Qwen2.5-VL")
+                 f"training.train_iters={iters}"]
+    return device_run_figures(overrides, run, timeout, f"qwen2.5-vl-7B with 4 language "
+                              f"layers, LoRA, frozen tower, bf16, {nproc} × {name}",
+                              accelerator, "Qwen2.5-VL")
 
 
 def reader_figures(work: Path, photos: list, iters: int) -> dict:

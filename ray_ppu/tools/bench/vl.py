@@ -214,9 +214,6 @@ DEVICE_RUN = ["model.preset=llava-qwen2.5-7b", "model.num_layers=4", "vision.fre
 def device(out: Path, iters: int, timeout: float) -> dict:
     """Stage 2 of a LLaVA-Qwen2.5 slice under Ray Train on every visible GPU / PPU (DP): step
     time, TFLOP/s and MFU counting the images each batch held, peak memory, the losses."""
-    import subprocess
-    import sys
-
     import torch
 
     from ray_ppu.devices.specs import accelerator_of
@@ -231,12 +228,6 @@ def device(out: Path, iters: int, timeout: float) -> dict:
     overrides = [*DEVICE_RUN, "data.dataset=sft", f"data.data_path=[{paths['train']}]",
                  f"data.image_root={paths['image_root']}", f"data.tokenizer={paths['tokenizer']}",
                  f"cluster.num_workers={nproc}", f"cluster.accelerator={accelerator}",
-                 f"training.global_batch_size={8 * nproc}", f"training.train_iters={iters}",
-                 f"output.dir={run}"]
-    proc = subprocess.run([sys.executable, "entrypoints/pretrain.py", *overrides],
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"benchmark.py device's VL part failed (exit {proc.returncode}):\n"
-                         f"{proc.stderr[-3000:]}")
-    return device_run_figures(run, f"llava-qwen2.5-7b with 4 language layers, stage 2, "
-                              f"bf16, {nproc} × {name}", accelerator, "VL")
+                 f"training.global_batch_size={8 * nproc}", f"training.train_iters={iters}"]
+    return device_run_figures(overrides, run, timeout, f"llava-qwen2.5-7b with 4 language "
+                              f"layers, stage 2, bf16, {nproc} × {name}", accelerator, "VL")

@@ -18,7 +18,7 @@ import posixpath
 import re
 import shlex
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 from ray_ppu.errors import MigrationError
 from ray_ppu.tools.pai_migration.launch import Launch
@@ -77,46 +77,54 @@ ASSIGNMENT = re.compile(r"([A-Za-z_]\w*)=(.*)", re.S)
 WRAPPERS = {"sh", "bash", "source", ".", "exec", "nohup", "time", "env"}
 
 
-def parse_script(path: Path, environ: Mapping[str, str]) -> Launch:
-    """The one call of ``run_mcore_qwen*.sh`` in a launch script: its arguments and environment."""
-    variables, exported = dict(environ), set(environ)
-    calls = []
-    for number, line in logical_lines(path.read_text()):
+def script_commands(path: Path, lines: list[tuple[int, str]]
+                    ) -> Iterator[tuple[str, int, list[str]]]:
+    """(``path:line``, line number, words) of each simple command of a script's ``lines``;
+    a line the shell splitter cannot split is a MigrationError naming it."""
+    for number, line in lines:
         where = f"{path}:{number}"
         try:
             commands = simple_commands(line)
         except ValueError as err:
             raise MigrationError(f"{where}: cannot split the line ({err})") from None
         for words in commands:
-            words = [expand(w, variables, where) for w in words]
-            if words[0] in ("export", "unset"):
-                for word in words[1:]:
-                    match = ASSIGNMENT.fullmatch(word)
-                    if words[0] == "unset":
-                        variables.pop(word, None)
-                        exported.discard(word)
-                    elif match:
-                        variables[match.group(1)] = match.group(2)
-                        exported.add(match.group(1))
-                    else:
-                        exported.add(word)
-                continue
-            prefix = {}
-            while words and ASSIGNMENT.fullmatch(words[0]):
+            yield where, number, words
+
+
+def parse_script(path: Path, environ: Mapping[str, str]) -> Launch:
+    """The one call of ``run_mcore_qwen*.sh`` in a launch script: its arguments and environment."""
+    variables, exported = dict(environ), set(environ)
+    calls = []
+    for where, _, words in script_commands(path, logical_lines(path.read_text())):
+        words = [expand(w, variables, where) for w in words]
+        if words[0] in ("export", "unset"):
+            for word in words[1:]:
+                match = ASSIGNMENT.fullmatch(word)
+                if words[0] == "unset":
+                    variables.pop(word, None)
+                    exported.discard(word)
+                elif match:
+                    variables[match.group(1)] = match.group(2)
+                    exported.add(match.group(1))
+                else:
+                    exported.add(word)
+            continue
+        prefix = {}
+        while words and ASSIGNMENT.fullmatch(words[0]):
+            key, value = ASSIGNMENT.fullmatch(words.pop(0)).groups()
+            prefix[key] = value
+        while words and words[0] in WRAPPERS:
+            words.pop(0)
+            while words and ASSIGNMENT.fullmatch(words[0]):  # env VAR=value cmd
                 key, value = ASSIGNMENT.fullmatch(words.pop(0)).groups()
                 prefix[key] = value
-            while words and words[0] in WRAPPERS:
-                words.pop(0)
-                while words and ASSIGNMENT.fullmatch(words[0]):  # env VAR=value cmd
-                    key, value = ASSIGNMENT.fullmatch(words.pop(0)).groups()
-                    prefix[key] = value
-            if not words:
-                variables.update(prefix)  # VAR=value alone: a shell variable
-                continue
-            if CALLED_SCRIPT.fullmatch(posixpath.basename(words[0])):
-                env = {k: variables[k] for k in exported if k in variables} | prefix
-                calls.append(Launch(tuple(words[1:]), env, posixpath.basename(words[0]),
-                                    f"{where}"))
+        if not words:
+            variables.update(prefix)  # VAR=value alone: a shell variable
+            continue
+        if CALLED_SCRIPT.fullmatch(posixpath.basename(words[0])):
+            env = {k: variables[k] for k in exported if k in variables} | prefix
+            calls.append(Launch(tuple(words[1:]), env, posixpath.basename(words[0]),
+                                f"{where}"))
     if len(calls) != 1:
         found = ", ".join(c.source for c in calls) or "none"
         raise MigrationError(f"{path}: expected one call of run_mcore_qwen*.sh, found "

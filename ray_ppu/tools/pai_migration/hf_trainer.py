@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ray_ppu.errors import MigrationError
-from ray_ppu.tools.pai_migration.bash import ASSIGNMENT, WRAPPERS, logical_lines, simple_commands
+from ray_ppu.tools.pai_migration.bash import (ASSIGNMENT, WRAPPERS, logical_lines, script_commands,
+                                             simple_commands)
 
 TRAINER_MARK = "--model_name_or_path"  # what makes a script an HF Trainer launch
 LAUNCHERS = {"torchrun", "deepspeed", "python", "python3", "accelerate"}
@@ -126,27 +127,21 @@ def _open_quote(line: str) -> bool:
 def read_call(path: Path, environ: Mapping[str, str]) -> TrainerCall:
     """The one ``… program.py --model_name_or_path …`` call of the script."""
     variables, unknown, calls = dict(environ), {}, []
-    for number, line in shell_lines(path.read_text()):
-        where = f"{path}:{number}"
-        try:
-            commands = simple_commands(line)
-        except ValueError as err:
-            raise MigrationError(f"{where}: cannot split the line ({err})") from None
-        for words in commands:
-            if _assign(words, variables, unknown, where):
-                continue
-            if TRAINER_MARK not in words:
-                continue
-            words = [_expand(w, variables, unknown, where) for w in words]
-            while words and (ASSIGNMENT.fullmatch(words[0]) or words[0] in WRAPPERS):
-                words.pop(0)
-            at = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
-            if at is None:
-                raise MigrationError(f"{where}: no Python program (*.py) in the call")
-            launcher = tuple(part for w in words[:at] for part in w.split())  # unquoted: split
-            options, order = _options(words[at + 1:], where)
-            calls.append(TrainerCall(path, number, posixpath.basename(words[at]), launcher,
-                                     options, order, tuple(words[at + 1:])))
+    for where, number, words in script_commands(path, shell_lines(path.read_text())):
+        if _assign(words, variables, unknown, where):
+            continue
+        if TRAINER_MARK not in words:
+            continue
+        words = [_expand(w, variables, unknown, where) for w in words]
+        while words and (ASSIGNMENT.fullmatch(words[0]) or words[0] in WRAPPERS):
+            words.pop(0)
+        at = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
+        if at is None:
+            raise MigrationError(f"{where}: no Python program (*.py) in the call")
+        launcher = tuple(part for w in words[:at] for part in w.split())  # unquoted: split
+        options, order = _options(words[at + 1:], where)
+        calls.append(TrainerCall(path, number, posixpath.basename(words[at]), launcher,
+                                 options, order, tuple(words[at + 1:])))
     if len(calls) != 1:
         raise MigrationError(f"{path}: expected one call passing {TRAINER_MARK}, found "
                              f"{len(calls)}")
