@@ -9,6 +9,8 @@ collected, so one run of either names them all, in the same words. Nothing is wr
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,9 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
     if found:
         problems.append(found)
     problems += tracker_problems(cfg.output.trackers)
+    if cfg.vision.native and importlib.util.find_spec("transformers") is None:
+        problems.append(f"vision.encoder={cfg.vision.encoder} runs transformers' vision tower: "
+                        f"pip install 'transformers>=5.25' (or pip install 'ray-ppu[qwen-vl]')")
     if files:
         for step in (_data_lines, _sft_lines) if data else ():
             lines += step(cfg, plan, problems)
