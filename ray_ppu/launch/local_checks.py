@@ -9,9 +9,8 @@ collected, so one run of either names them all, in the same words. Nothing is wr
 
 from __future__ import annotations
 
-import importlib.util
-
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
