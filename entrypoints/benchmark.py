@@ -7,7 +7,8 @@
     python entrypoints/benchmark.py elastic [--dir DIR] [--reference] [--json FILE]
     python entrypoints/benchmark.py metrics [--rounds 4] [--iters 30] [key=value ...]
     python entrypoints/benchmark.py options [--dir DIR] [--corpus PREFIX]
-    python entrypoints/benchmark.py device [--dir DIR] [--iters 20] [--timeout 120] [--part all|options|moe]
+    python entrypoints/benchmark.py device [--dir DIR] [--iters 20] [--timeout 120] [--part all|options|moe|vl|qwen-vl|mfu]
+    python entrypoints/benchmark.py kernels [--rounds 2] [--iters 8] [--seq-length 4096] [--json FILE]
     python entrypoints/benchmark.py moe [--iters 10] [--json FILE] [--corpus PREFIX] [key=value ...]
     python entrypoints/benchmark.py hf-load [--sizes-gb 1 2 4] [--ranks 2] [--dir DIR]
     python entrypoints/benchmark.py lora [--rank 16] [--iters 3] [--dir DIR] [--json FILE]
@@ -37,6 +38,15 @@ short run once per training option (precision, recompute, offload, SP / VP / CP,
 optimizer, attention backend); a table of option, ran, loss matches (its reference variant's
 losses at every iteration), iteration time, peak memory, TFLOP/s and MFU
 (``ray_ppu/tools/option_matrix.py``).
+
+``device --part mfu`` (one H200, < 8 minutes): a Qwen2.5-7B slice at seq 4096 as deep as the
+device holds, the llava-qwen2.5-7b and qwen2.5-vl-7B LoRA slices and a Qwen3-30B-A3B slice, on
+the torch kernels: step time, TFLOP/s, MFU against the datasheet and a measured bf16 matmul,
+peak memory against the plan, losses and a step profile each (ray_ppu.tools.bench.mfu).
+
+``kernels``: the torch kernels (SDPA, chunked loss) against Megatron-Core's reference ones on
+the CPU, side by side: the demo's median step time, and a packed SFT step at seq 4096's peak
+host memory and time (ray_ppu.tools.bench.kernels).
 
 ``moe``: the tiny-moe preset (4 experts, top-2) on 2 CPU ranks at EP 1 (DP 2) and EP 2 (DP 2):
 median step time, tokens/s, the time per step in Megatron-Core's token dispatcher (permutation,
@@ -75,14 +85,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ray_ppu.tools.bench import (data_path, device, elastic, lora,  # noqa: E402
+from ray_ppu.tools.bench import (data_path, device, elastic, kernels, lora,  # noqa: E402
                                  metrics_export, moe, options, overhead, recovery, sft, vl)
 from ray_ppu.tools.bench.common import subcommand_parser  # noqa: E402
 
 # In --help's order; each module has HELP, add_arguments(parser) and main(args).
 BENCHES = {"overhead": overhead, "data": data_path, "sft": sft, "elastic": elastic,
            "recovery": recovery, "metrics": metrics_export, "options": options,
-           "device": device, "moe": moe, "lora": lora, "vl": vl}
+           "device": device, "kernels": kernels, "moe": moe, "lora": lora, "vl": vl}
 # Each runs on a Ray of its own, as this script re-run with --child: main(args, program).
 SCENARIOS = ("elastic", "recovery")
 

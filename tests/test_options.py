@@ -15,6 +15,7 @@ from ray_ppu import devices
 from ray_ppu.model import parallel
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.model.megatron_settings import describe
+from ray_ppu.plan.kernels import choose
 from ray_ppu.plan.memory import GIB, memory_plan, offload_fraction
 from ray_ppu.plan import build_plan
 from ray_ppu.tools import option_matrix as option_runs
@@ -225,7 +226,8 @@ def test_invalid_combination_is_rejected_with_the_config(extra, message):
 def test_cpu_options_train_with_the_plain_runs_losses(corpus, tmp_path):
     """One torchrun launch trains every variant of option_runs.CPU_VARIANTS from the same
     weights: recompute (selective, full uniform/block), grad/param overlap off, distributed
-    optimizer off, TP 2 with and without SP, PP 2 with and without VP, bf16 and fp16."""
+    optimizer off, TP 2 with and without SP, PP 2 with and without VP, bf16 and fp16, and
+    Megatron-Core's reference attention and loss against the torch kernels."""
     results = option_runs.run_variants(option_runs.CPU_VARIANTS, option_runs.cpu_base(corpus),
                                        2, tmp_path)
     verdicts = option_runs.compare(option_runs.CPU_VARIANTS, results)
@@ -238,6 +240,14 @@ def test_cpu_options_train_with_the_plain_runs_losses(corpus, tmp_path):
     # checkpoint.enabled=false: the variants wrote no checkpoint; init (which they load) did
     assert list(tmp_path.glob("init/ray_train/*/iter_*"))
     assert not list(tmp_path.glob("plain/ray_train/*/iter_*"))
+    # the plain run's last iteration was profiled: its time by category, on rank 0's CPU
+    profile = json.loads((tmp_path / "plain" / "profile.json").read_text())
+    assert profile["iterations"] == 1 and not profile["device_time"]
+    spent = profile["ms_per_iteration"]
+    assert spent["GEMMs"] > 0 and spent["attention"] > 0 and spent["loss"] > 0
+    assert spent["optimizer"] > 0
+    assert sum(spent.values()) <= profile["step_ms"] * 1.05
+    assert "attention" in (tmp_path / "plain" / "profile.txt").read_text()
     # fp16 really ran with dynamic loss scaling, without skipping a step at scale 4096
     assert results["fp16_loss_scaling"]["loss_scale"] == 4096
     assert results["fp16_loss_scaling"]["skipped_iterations"] == 0
@@ -282,23 +292,34 @@ def _saved_activation_bytes(model, tokens, position_ids, labels) -> int:
     return sum(storages.values())
 
 
+# the reference kernels (Megatron-Core's attention and loss) and the torch ones a CPU or a
+# device without Transformer Engine runs by default (SDPA, the chunked loss)
+KERNELS = {"reference": ["training.attention_backend=local", "training.cross_entropy=megatron"],
+           "torch": ["training.attention_backend=sdpa", "training.cross_entropy=chunked"],
+           # the loss over several chunks: only the log-sum-exp kept, the logits recomputed
+           "torch_chunks": ["training.attention_backend=sdpa", "training.cross_entropy=chunked",
+                            "training.cross_entropy_chunk_tokens=64"]}
+
+
+@pytest.mark.parametrize("kernels", list(KERNELS))
 @pytest.mark.parametrize("recompute", [
     [], ["memory.recompute=selective"], ["memory.recompute=full", "memory.recompute_num_layers=1"],
     ["memory.recompute=full", "memory.recompute_num_layers=2"],
 ])
-def test_memory_plan_activations_match_what_autograd_keeps(recompute):
-    """Tiny model, small vocabulary, long sequence (the s² attention term shows): the plan's
-    activations per microbatch against the saved tensors of a real forward, within 15 %."""
+def test_memory_plan_activations_match_what_autograd_keeps(recompute, kernels):
+    """Tiny model, small vocabulary, long sequence (the s² attention term shows with the
+    reference kernels): the plan's activations per microbatch against the saved tensors of a
+    real forward, within 15 %."""
     shape = ["model.vocab_size=1024", "model.make_vocab_size_divisible_by=128",
              "training.seq_length=256", "training.micro_batch_size=2", "training.precision=fp32",
-             "training.global_batch_size=2", *recompute]
+             "training.global_batch_size=2", *recompute, *KERNELS[kernels]]
     with built(*shape) as (cfg, plan, model, _):
         tokens = torch.randint(0, 1024, (2, 256))
         positions = torch.arange(256).expand(2, -1).contiguous()
         measured = _saved_activation_bytes(model[0], tokens, positions, tokens)
-        # the plan of a CPU run: local attention (no TE)
-        planned = memory_plan(cfg, plan, te=False).activations_per_microbatch_gib * GIB
-    print(f"recompute {recompute or 'none'}: plan {planned / 2**20:.2f} MiB, "
+        # the plan of a CPU run (no Transformer Engine)
+        planned = memory_plan(cfg, plan, choose(cfg, False)).activations_per_microbatch_gib * GIB
+    print(f"{kernels} kernels, recompute {recompute or 'none'}: plan {planned / 2**20:.2f} MiB, "
           f"measured {measured / 2**20:.2f} MiB, ratio {planned / measured:.3f}")
     assert 0.85 < planned / measured < 1.15
 
@@ -307,7 +328,7 @@ def test_memory_plan_parameters_gradients_and_optimizer_states():
     with built("training.precision=bf16") as (cfg, plan, model, optimizer):
         params = sum(p.numel() for p in model[0].parameters())
         grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in model[0].buffers)
-        mp = memory_plan(cfg, plan, te=False)
+        mp = memory_plan(cfg, plan)
         assert mp.parameters_gib * GIB == params * 2  # bf16
         assert grads >= mp.gradients_gib * GIB >= 0.99 * grads  # fp32 buffers (bucket padding)
         assert mp.optimizer_gib * GIB == params * 12  # DP 1: fp32 master + Adam m, v
@@ -346,7 +367,7 @@ def test_memory_plan_against_megatrons_formula(preset, layers, tp, pp, workers):
                          f"parallel.pipeline_model_parallel_size={pp}", "parallel.sequence_parallel=true",
                          "memory.recompute=selective", "training.seq_length=4096",
                          "training.global_batch_size=256", "cluster.device=auto")
-    mp = memory_plan(cfg, plan, te=True)
+    mp = memory_plan(cfg, plan, choose(cfg, True))
     ours = (mp.parameters_gib + mp.gradients_gib + mp.optimizer_gib) * GIB
     theirs = megatron_weight_and_optimizer_bytes(cfg.model, tp, pp, plan.data_parallel_size,
                                                  plan.padded_vocab_size, True)

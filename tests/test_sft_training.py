@@ -52,7 +52,8 @@ def sft_overrides(files, tokenizer_dir, out, *extra):
     ]
 
 
-def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out, preset="tiny"):
+def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out, preset="tiny",
+                              attention="auto"):
     """One real Megatron GPTModel (world of 1): the summed token losses of 24 samples packed
     several per row, padded one per row, and packed but unmasked, microbatches of 2 rows."""
     from ray_ppu.data.sft import sft_rows
@@ -62,7 +63,8 @@ def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out, preset="ti
     records = arithmetic_records(24, seed=3)
     cfg = load(None, sft_overrides(sft_files, tokenizer_dir, out, "data.packing=true",
                                    "cluster.num_workers=1", "training.eval_iters=0",
-                                   f"cluster.device={backend}", f"model.preset={preset}"))
+                                   f"cluster.device={backend}", f"model.preset={preset}",
+                                   f"training.attention_backend={attention}"))
     plan = build_plan(cfg)
     packed, packed_summary = sft_rows(records, tokenizer_dir, 128, packing=True)
     padded, _ = sft_rows(records, tokenizer_dir, 128, max_padding_length=128)
@@ -102,12 +104,17 @@ def _packed_and_padded_losses(backend, sft_files, tokenizer_dir, out, preset="ti
 
 # tiny-moe too: its routers send each token to experts by that token alone (no capacity
 # limit drops any), so only attention could mix samples
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
-def test_packed_rows_give_the_padded_losses(sft_files, qwen2_tokenizer_dir, tmp_path, preset):
-    """CPU, local layer spec: the block-diagonal mask isolates the samples of a packed row."""
-    how, (as_packed, as_padded, unmasked) = _packed_and_padded_losses(
-        "cpu", sft_files, qwen2_tokenizer_dir, tmp_path, preset)
-    assert how == "mask"
+@pytest.mark.parametrize("preset, attention, how", [
+    ("tiny", "local", "mask"), ("tiny-moe", "local", "mask"),
+    ("tiny", "sdpa", "thd"), ("tiny-moe", "sdpa", "thd")])
+def test_packed_rows_give_the_padded_losses(sft_files, qwen2_tokenizer_dir, tmp_path, preset,
+                                            attention, how):
+    """CPU: Megatron-Core's local attention with the block-diagonal mask, and torch's SDPA
+    once per sample of the flattened THD microbatch (no mask), each isolate the samples of a
+    packed row; without the boundaries the samples see each other."""
+    used, (as_packed, as_padded, unmasked) = _packed_and_padded_losses(
+        "cpu", sft_files, qwen2_tokenizer_dir, tmp_path, preset, attention)
+    assert used == how
     assert as_packed == pytest.approx(as_padded, rel=1e-5)
     # A freshly initialised model attends almost uniformly, so leaking across samples moves
     # the loss only a little, but far beyond the packed-vs-padded float noise.

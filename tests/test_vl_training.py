@@ -112,7 +112,9 @@ def test_one_step_moves_exactly_the_named_parts(world_of_one, rows, tmp_path, qw
 def test_flops_per_image_are_what_the_image_side_computes(world_of_one, tmp_path, tiny_llava_dir,
                                                           qwen2_tokenizer_dir, frozen):
     """The plan's FLOPs per image are torch's count of the ViT and projector's forward (and
-    backward, as far as it trains) on one image: matmuls, the patch convolution, attention."""
+    backward, as far as it trains) on one image: matmuls, the patch convolution, attention
+    (SDPA's math kernel: torch's counter has no formula for the fused CPU kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from ray_ppu.model.gpt import build_model
@@ -124,7 +126,7 @@ def test_flops_per_image_are_what_the_image_side_computes(world_of_one, tmp_path
     with devices.bound("cpu", 0), parallel.groups(plan, cfg.training.seed):
         model = unwrap(build_model(cfg, plan, "cpu", ddp=False)[0][0])
         image = torch.rand(1, 3, 32, 32)  # pixels never need a gradient
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):
             features = model.image_features(image)
             if features.requires_grad:
                 features.sum().backward()

@@ -117,11 +117,29 @@ class TrainingConfig:
     apply_query_key_layer_scaling: Optional[bool] = None
     """Scale QKᵀ by the layer number (softmax in fp32) against fp16 overflow; None = on with
     fp16 only, as the reference sets it."""
-    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "sdpa", "local"] = "auto"
     """Core attention: flash / fused / unfused are Transformer Engine's kernels (reference FL=true
-    → flash, false → fused); local is Megatron-Core's plain-torch attention; auto = Transformer
-    Engine's own choice where it is installed, else local. A backend this device cannot run is
-    an error, never a silent fallback."""
+    → flash, false → fused); sdpa is torch's scaled_dot_product_attention (flash / cuDNN /
+    memory-efficient kernels on a device, the fused CPU kernel on the CPU; causal without a
+    mask, GQA without copying K/V) and, for packed rows, a kernel given the sample boundaries
+    (torch's varlen flash attention on a device, one call per sample on the CPU); local is
+    Megatron-Core's reference attention (s × s scores, unfused softmax, an s × s mask for packed
+    rows). auto = Transformer Engine's own choice where it imports, else sdpa. A backend this
+    device cannot run is an error, never a silent fallback."""
+    cross_entropy: Literal["chunked", "megatron"] = "chunked"
+    """The language-model loss: chunked runs the output layer and a vocabulary-parallel cross
+    entropy a chunk of tokens at a time and recomputes a chunk's logits in the backward pass,
+    so the fp32 logits of a whole microbatch (seq × mbs × vocab / TP × 4 bytes: 2.3 GiB at
+    Qwen2.5's 152k vocabulary, seq 4096, TP 1) are never held; megatron is Megatron-Core's own
+    (the output layer's logits for the microbatch, then its vocab_parallel_cross_entropy)."""
+    cross_entropy_chunk_tokens: int = 0
+    """chunked: tokens per chunk; 0 = as many as keep one chunk's fp32 logits under 512 MiB
+    (880 tokens of a 152k vocabulary at TP 1). [≥ 0]"""
+    moe_grouped_gemm: bool = True
+    """MoE: every local expert in one grouped GEMM per linear (Transformer Engine's, or torch's
+    _grouped_mm without it) instead of one expert after another (Megatron-Core's
+    SequentialMLP). LoRA on the experts always runs them one after another (its adapters hook
+    each expert's linears)."""
     seed: int = 1234
     """Base RNG seed (Megatron adds 100 × pipeline rank). [≥ 0]"""
     log_interval: int = 1
@@ -234,6 +252,13 @@ class OutputConfig:
     """Record the sample ids every iteration trained on, per data-reading rank, in
     <dir>/samples/rank_NNNNN.jsonl (an audit of the data the run saw; restarts re-log the
     iterations they train again)."""
+    profile_iters: int = 0
+    """Rank 0 runs this many iterations under torch's profiler, from ``profile_start``, and
+    writes <dir>/profile.txt and profile.json: the step's time by category (attention, GEMMs,
+    norms, loss, optimizer, communication, copies, idle; ``ray_ppu.monitor.step_profile``).
+    Those iterations run slower (the profiler's overhead). 0 = off. [≥ 0]"""
+    profile_start: int = 3
+    """The first profiled iteration (counted from 1; the first two build caches). [≥ 1]"""
     trackers: list[str] = field(default_factory=list)
     """Experiment trackers the driver sends the run to (``ray_ppu.monitor.trackers``):
     ``mlflow``, ``wandb``; each needs its package (``pip install 'ray-ppu[trackers]'``).

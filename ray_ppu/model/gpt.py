@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -23,7 +24,8 @@ from ray_ppu.devices import Backend, transformer_engine_error
 from ray_ppu.errors import TransformerEngineMissing
 from ray_ppu.model.megatron_settings import ddp_settings, transformer_settings
 from ray_ppu.plan import Plan
-from ray_ppu.plan.te_options import needs_transformer_engine, uses_transformer_engine
+from ray_ppu.plan.kernels import Kernels, choose
+from ray_ppu.plan.te_options import needs_transformer_engine
 
 
 def transformer_engine_available(backend: Backend) -> bool:
@@ -47,42 +49,52 @@ class RMSNorm(torch.nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def local_block_spec(config: TransformerConfig, vp_stage: Optional[int]) -> TransformerBlockSubmodules:
+def local_block_spec(config: TransformerConfig, vp_stage: Optional[int],
+                     kernels: Kernels) -> TransformerBlockSubmodules:
     """Megatron-Core's local GPT layer spec (plain torch attention and MLP, or a MoE layer of
     :class:`~ray_ppu.model.moe_layers.LayoutFreeSequentialMLP` experts) with :class:`RMSNorm` for
     both layer norms, the final norm and (``qk_layernorm``, Qwen3) the per-head query / key
-    norms, for this stage's layers."""
+    norms, for this stage's layers. ``kernels.attention == "sdpa"``: the core attention is
+    :class:`~ray_ppu.model.attention.TorchAttention`; ``kernels.experts == "grouped"``: the
+    experts run as :class:`~ray_ppu.model.moe_layers.GroupedLayoutFreeMLP`."""
     layer = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                      normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
+    attention = layer.submodules.self_attention.submodules
+    if kernels.attention == "sdpa":
+        from ray_ppu.model.attention import TorchAttention
+
+        attention.core_attention = TorchAttention
     if config.num_moe_experts:
-        from ray_ppu.model.moe_layers import LayoutFreeSequentialMLP, LocalTopKRouter
+        from ray_ppu.model.moe_layers import (GroupedLayoutFreeMLP, LayoutFreeSequentialMLP,
+                                              LocalTopKRouter)
 
         layer.submodules.mlp.submodules.router = LocalTopKRouter
-        layer.submodules.mlp.submodules.experts.module = LayoutFreeSequentialMLP
+        layer.submodules.mlp.submodules.experts.module = (
+            GroupedLayoutFreeMLP if kernels.experts == "grouped" else LayoutFreeSequentialMLP)
         # a MoE layer's pre-MLP norm is its own module (no fc1 to fuse it into): saved under
         # its own name, as Transformer Engine's MoE layer saves it, so checkpoints of both
         # specs agree (the local spec would file it under fc1's fused-norm name)
         layer.submodules.sharded_state_dict_keys_map.pop("pre_mlp_layernorm.", None)
     if config.qk_layernorm:
-        attention = layer.submodules.self_attention.submodules
         attention.q_layernorm = RMSNorm
         attention.k_layernorm = RMSNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
                                       layer_norm=RMSNorm)
 
 
-def _transformer_engine_layers(cfg: RunConfig, backend: Backend) -> bool:
-    """Whether this worker builds TE layers; an option that needs TE where it cannot run is an
-    error naming the option (no silent fallback to another kernel)."""
+def worker_kernels(cfg: RunConfig, backend: Backend) -> Kernels:
+    """The kernels this worker builds its layers with (:mod:`ray_ppu.plan.kernels`); an option
+    that needs TE where it cannot run is an error naming the option (no silent fallback to
+    another kernel)."""
     available = transformer_engine_available(backend)
     missing = [] if available else needs_transformer_engine(cfg)
     if missing:
         raise TransformerEngineMissing(
             f"Transformer Engine is not usable on this {backend} worker, but the run asks for: "
             + "; ".join(missing))
-    return uses_transformer_engine(cfg, available)
+    return choose(cfg, available)
 
 
 def transformer_config(cfg: RunConfig, plan: Plan, backend: Backend) -> TransformerConfig:
@@ -100,7 +112,7 @@ def transformer_config(cfg: RunConfig, plan: Plan, backend: Backend) -> Transfor
 
 def _settings(cfg: RunConfig, plan: Plan, backend: Backend) -> dict:
     """``transformer_settings`` with torch's dtypes and Megatron's attention-backend enum."""
-    settings = transformer_settings(cfg, plan, _transformer_engine_layers(cfg, backend))
+    settings = transformer_settings(cfg, plan, worker_kernels(cfg, backend).attention == "te")
     for key in ("params_dtype", "pipeline_dtype"):
         settings[key] = getattr(torch, settings[key])
     settings["attention_backend"] = AttnBackend[settings["attention_backend"]]
@@ -108,12 +120,13 @@ def _settings(cfg: RunConfig, plan: Plan, backend: Backend) -> dict:
 
 
 def packed_format(cfg: RunConfig, plan: Plan, backend: Backend) -> Optional[str]:
-    """How packed SFT rows keep their samples apart: ``"thd"`` with Transformer Engine
-    (PackedSeqParams: its fused attention takes the sample boundaries, no s² mask), ``"mask"``
-    with the local spec (an explicit block-diagonal causal mask); None for unpacked rows."""
+    """How packed SFT rows keep their samples apart: ``"thd"`` (PackedSeqParams: Transformer
+    Engine's fused attention or our torch kernels take the sample boundaries, no s² mask),
+    ``"mask"`` with Megatron-Core's local attention (an explicit block-diagonal causal mask);
+    None for unpacked rows."""
     if not plan.packed_sequences:
         return None
-    return "thd" if uses_transformer_engine(cfg, transformer_engine_available(backend)) else "mask"
+    return worker_kernels(cfg, backend).packed
 
 
 def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
@@ -124,7 +137,9 @@ def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
     the backward pass, so no copy of the logits is made."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
-    def hook(module, args, result):
+    def hook(module, args, kwargs, result):
+        if kwargs.get("labels") is not None:  # the chunked loss's call: losses, masked within
+            return result
         logits = result[0]
         part = logits.shape[-1]  # this rank's vocabulary slice
         first_padded = vocab_size - tp_rank * part
@@ -132,7 +147,18 @@ def mask_padded_vocab(output_layer: torch.nn.Module, vocab_size: int) -> None:
             logits[..., max(first_padded, 0):].fill_(float("-inf"))
         return result
 
-    output_layer.register_forward_hook(hook)
+    output_layer.register_forward_hook(hook, with_kwargs=True)
+
+
+def _gpt_class(cfg: RunConfig, kernels: Kernels):
+    """GPTModel, or with ``kernels.loss == "chunked"`` its chunked-loss form (the real
+    vocabulary and the chunk size bound in)."""
+    if kernels.loss != "chunked":
+        return GPTModel
+    from ray_ppu.model.output_loss import ChunkedLossGPTModel
+
+    return partial(ChunkedLossGPTModel, real_vocab_size=cfg.model.vocab_size,
+                   chunk=cfg.training.cross_entropy_chunk_tokens)
 
 
 def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool = True,
@@ -148,7 +174,8 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
         for name in ("init_method", "output_layer_init_method", "embedding_init_method"):
             if hasattr(config, name):
                 setattr(config, name, torch.nn.init.zeros_)
-    te = uses_transformer_engine(cfg, transformer_engine_available(backend))
+    kernels = worker_kernels(cfg, backend)
+    te = kernels.attention == "te"
     if te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -166,9 +193,9 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
     num_chunks = plan.virtual_pipeline_model_parallel_size or 1
     for vp_stage in range(num_chunks):
         stage = vp_stage if plan.virtual_pipeline_model_parallel_size else None
-        model = GPTModel(
+        model = _gpt_class(cfg, kernels)(
             config=config,
-            transformer_layer_spec=layer_spec or local_block_spec(config, stage),
+            transformer_layer_spec=layer_spec or local_block_spec(config, stage, kernels),
             vocab_size=plan.padded_vocab_size,
             max_sequence_length=cfg.model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -197,7 +224,7 @@ def build_model(cfg: RunConfig, plan: Plan, backend: Backend, initialize: bool =
         if cfg.vision.enabled:  # the ViT and projector join the first stage's chunk
             from ray_ppu.model import vision_language
 
-            model = vision_language.build(cfg, model, _settings(cfg, plan, backend), te,
+            model = vision_language.build(cfg, model, _settings(cfg, plan, backend), kernels,
                                           use_cpu_initialization=backend == "cpu")
         if backend == "ppu":
             model.cuda(torch.cuda.current_device())

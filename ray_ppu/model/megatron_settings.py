@@ -9,11 +9,12 @@ Which settings need Transformer Engine is decided in :mod:`ray_ppu.plan.te_optio
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.plan.memory import offload_fraction
-from ray_ppu.plan.te_options import uses_transformer_engine
+from ray_ppu.plan.kernels import choose
 
 # Precision → the dtype parameters are kept and computed in (fp8 keeps bf16 parameters; TE casts
 # the GEMM inputs to fp8 with delayed scaling).
@@ -122,10 +123,12 @@ def moe_settings(cfg: RunConfig, plan, te: bool) -> dict:
         moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=m.moe_aux_loss_coeff,
         moe_token_dispatcher_type=cfg.parallel.moe_token_dispatcher_type,
-        # TE's grouped GEMM runs every local expert in one kernel; the local spec loops over
-        # them (SequentialMLP), as TE does where LoRA adapts the experts (its adapters hook
-        # each expert's linears). The fused permutation needs TE ≥ 2.1: left off.
-        moe_grouped_gemm=te and not cfg.lora.on_experts(m.is_moe),
+        # TE's grouped GEMM runs every local expert in one kernel (the local spec's own grouped
+        # experts are chosen by ray_ppu.plan.kernels, not by this switch, which picks
+        # Megatron's GroupedMLP); one after another where LoRA adapts the experts (its
+        # adapters hook each expert's linears). The fused permutation needs TE ≥ 2.1: left off.
+        moe_grouped_gemm=(te and cfg.training.moe_grouped_gemm
+                          and not cfg.lora.on_experts(m.is_moe)),
         moe_permute_fusion=False,
         expert_model_parallel_size=plan.expert_model_parallel_size,
         expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
@@ -172,11 +175,13 @@ def optimizer_settings(cfg: RunConfig, offload_fraction: Optional[float] = None)
 
 
 def describe(cfg: RunConfig, plan, te: bool = True) -> dict:
-    """The three Megatron-Core configs and the layer spec, for ``--dry-run`` (``te``: whether
-    the target devices have Transformer Engine; PPU and GPU images do)."""
+    """The three Megatron-Core configs, the layer spec and the kernels, for ``--dry-run``
+    (``te``: whether the target devices have Transformer Engine; PPU and GPU images do)."""
+    kernels = choose(cfg, te)
     return {
-        "layer_spec": "transformer_engine" if uses_transformer_engine(cfg, te) else "local",
-        "TransformerConfig": transformer_settings(cfg, plan, uses_transformer_engine(cfg, te)),
+        "layer_spec": "transformer_engine" if kernels.attention == "te" else "local",
+        "kernels": asdict(kernels),
+        "TransformerConfig": transformer_settings(cfg, plan, kernels.attention == "te"),
         "DistributedDataParallelConfig": ddp_settings(cfg),
         "OptimizerConfig": optimizer_settings(cfg, offload_fraction(cfg, plan)),
     }

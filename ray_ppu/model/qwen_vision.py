@@ -12,6 +12,14 @@ runs the whole tower. By the plan's arithmetic (``benchmark.py vl``; issue note)
 small part of a 7B step, so replication costs little of the step at TP 2 and is paid in
 memory (~1.3 GB of bf16 weights per rank, plus its activations).
 
+The tower's attention is the one piece replaced (:class:`PackedWindowAttention`, same
+``qkv`` / ``proj`` weights under the same names): transformers runs its window attention one
+window at a time (``attn_implementation="sdpa"``: ~25 windows of 64 patches per image, 28
+layers; tens of thousands of small kernels per step on an H200, where the Qwen2.5-VL LoRA
+slice ran at 7.5 % MFU), and its flash-attention path needs the flash-attn package. Ours
+hands every window's boundaries to :func:`ray_ppu.model.attention.packed_attention` at once
+(torch's varlen flash attention on a device).
+
 ``HuggingFaceModule`` marks every parameter ``average_gradients_across_tp_domain``: Megatron's
 ``finalize_model_grads`` averages their gradients over TP, so the replicas stay equal. Its
 default ``sharded_state_dict`` saves them as replicated tensors under ``vision_model.visual.…``,
@@ -30,12 +38,45 @@ from ray_ppu.hf.qwen_vl import hf_vision_config
 MERGER = "visual.merger."  # the projector: its parameters' prefix inside the tower
 
 
+class PackedWindowAttention(torch.nn.Module):
+    """A Qwen2.5-VL vision block's attention (``attn``) with every window (or image, in the
+    full-attention layers) attended in one :func:`~ray_ppu.model.attention.packed_attention`
+    call; it takes over the block's own ``qkv`` and ``proj`` linears and computes what
+    transformers' module computes (q / k / v, 2-D rotary positions, attention, projection)."""
+
+    def __init__(self, hf_attention: torch.nn.Module) -> None:
+        super().__init__()
+        self.qkv, self.proj = hf_attention.qkv, hf_attention.proj
+        self.num_heads, self.scaling = hf_attention.num_heads, hf_attention.scaling
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                position_embeddings=None, max_seqlen=None, **_) -> torch.Tensor:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            apply_rotary_pos_emb_vision,
+        )
+
+        from ray_ppu.model.attention import packed_attention
+
+        length = hidden_states.shape[0]
+        q, k, v = (self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1)
+                   .permute(1, 0, 2, 3).unbind(0))  # [patches, heads, head_dim] each
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+        if not isinstance(max_seqlen, int):
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        out = packed_attention(q, k, v, cu_seqlens, max_seqlen, causal=False,
+                               scale=self.scaling)
+        return self.proj(out.reshape(length, -1))
+
+
 class QwenVisionTower(HuggingFaceModule):
     """Patches [N, 3·t·p·p] and their grids [n_images, 3] → merged image tokens
-    [Σ t·h·w / merge², language hidden], image after image (transformers' ``visual``)."""
+    [Σ t·h·w / merge², language hidden], image after image (transformers' ``visual``).
+    ``packed``: the blocks' attention is :class:`PackedWindowAttention` (else transformers'
+    own, window by window)."""
 
     def __init__(self, config: TransformerConfig, vision: VisionConfig,
-                 out_hidden_size: int) -> None:
+                 out_hidden_size: int, packed: bool = True) -> None:
         super().__init__(config)
         from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import (
             Qwen2_5_VLVisionConfig,
@@ -48,6 +89,9 @@ class QwenVisionTower(HuggingFaceModule):
         # sdpa per window (flash-attention 2 is not a dependency); the same numbers as eager
         hf._attn_implementation = "sdpa"
         self.visual = Qwen2_5_VisionTransformerPretrainedModel(hf).to(config.params_dtype)
+        if packed:
+            for block in self.visual.blocks:
+                block.attn = PackedWindowAttention(block.attn)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         dtype = self.visual.patch_embed.proj.weight.dtype

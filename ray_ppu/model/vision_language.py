@@ -58,11 +58,13 @@ class LayerNorm(torch.nn.LayerNorm):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
 
 
-def local_vit_layer_spec() -> ModuleSpec:
+def local_vit_layer_spec(attention: str = "sdpa") -> ModuleSpec:
     """A ViT layer in plain torch / Megatron-Core layers: pre-norm attention over every patch
     (no mask: Megatron-Core's own local ViT spec asks for a causal one) and a biased GELU MLP.
     Its norms are checkpointed under Transformer Engine's fused names, as the GPT local spec's
-    are, so both specs read and write the same keys."""
+    are, so both specs read and write the same keys. ``attention``: the run's kernel
+    (:mod:`ray_ppu.plan.kernels`): ``sdpa`` is torch's fused attention, ``local``
+    Megatron-Core's reference one."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -72,12 +74,17 @@ def local_vit_layer_spec() -> ModuleSpec:
     from megatron.core.transformer.transformer_layer import (TransformerLayer,
                                                              TransformerLayerSubmodules)
 
+    core_attention = DotProductAttention
+    if attention == "sdpa":
+        from ray_ppu.model.attention import TorchAttention
+
+        core_attention = TorchAttention
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=LayerNorm,
         self_attention=ModuleSpec(
             module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
             submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
-                                               core_attention=DotProductAttention,
+                                               core_attention=core_attention,
                                                linear_proj=RowParallelLinear)),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=LayerNorm,
@@ -250,7 +257,7 @@ def freeze(model: VisionLanguageModel, cfg: RunConfig) -> None:
                 param.requires_grad = False
 
 
-def _llava_components(vision: VisionConfig, language_settings: dict, te: bool,
+def _llava_components(vision: VisionConfig, language_settings: dict, attention: str,
                       use_cpu_initialization: bool) -> tuple:
     """LLaVA's ViT (Megatron-Core's CLIPViTModel) and its MLP projector."""
     def config(settings: dict, activation: str) -> TransformerConfig:
@@ -258,13 +265,14 @@ def _llava_components(vision: VisionConfig, language_settings: dict, te: bool,
         return TransformerConfig(**settings, activation_func=ACTIVATION_FUNCTIONS[activation],
                                  use_cpu_initialization=use_cpu_initialization)
 
+    te = attention == "te"
     if te:
         from megatron.core.models.vision.vit_layer_specs import (
             get_vit_layer_with_transformer_engine_spec,
         )
         layer_spec = get_vit_layer_with_transformer_engine_spec()
     else:
-        layer_spec = local_vit_layer_spec()
+        layer_spec = local_vit_layer_spec(attention)
     clip = vision.encoder == "clip"
     # the side the patches cover: CLIPViTModel wants a multiple of the patch, and its
     # unpadded patch convolution ignores the rest of a larger image, as HF's does
@@ -282,28 +290,34 @@ def _llava_components(vision: VisionConfig, language_settings: dict, te: bool,
     return encoder, projector
 
 
-def _qwen_tower(vision: VisionConfig, language_settings: dict, use_cpu_initialization: bool):
-    """Qwen2.5-VL's tower (transformers' module, replicated over TP), equal on every TP rank."""
+def _qwen_tower(vision: VisionConfig, language_settings: dict, attention: str,
+                use_cpu_initialization: bool):
+    """Qwen2.5-VL's tower (transformers' module, replicated over TP), equal on every TP rank;
+    its window attention by :func:`ray_ppu.model.attention.packed_attention` unless the run
+    asks for the reference (``local``) kernels."""
     from ray_ppu.model.qwen_vision import QwenVisionTower, broadcast_over_tensor_parallel
 
     config = TransformerConfig(**_component_settings(language_settings),
                                use_cpu_initialization=use_cpu_initialization)
-    tower = QwenVisionTower(config, vision, language_settings["hidden_size"])
+    tower = QwenVisionTower(config, vision, language_settings["hidden_size"],
+                            packed=attention != "local")
     broadcast_over_tensor_parallel(tower)
     return tower
 
 
-def build(cfg: RunConfig, language_model, language_settings: dict, te: bool,
+def build(cfg: RunConfig, language_model, language_settings: dict, kernels,
           use_cpu_initialization: bool) -> VisionLanguageModel:
     """The vision-language model around ``language_model`` (built with
     ``scatter_embedding_sequence_parallel=False``: the images go in before the scatter); the
-    image side only on the first pipeline stage."""
+    image side only on the first pipeline stage, with the run's attention ``kernels``
+    (:class:`ray_ppu.plan.kernels.Kernels`)."""
     vision = cfg.vision
     encoder = projector = None
     if language_model.pre_process and vision.native:
-        encoder = _qwen_tower(vision, language_settings, use_cpu_initialization)
+        encoder = _qwen_tower(vision, language_settings, kernels.attention,
+                              use_cpu_initialization)
     elif language_model.pre_process:
-        encoder, projector = _llava_components(vision, language_settings, te,
+        encoder, projector = _llava_components(vision, language_settings, kernels.attention,
                                                use_cpu_initialization)
     model = VisionLanguageModel(language_model, vision, encoder, projector)
     freeze(model, cfg)

@@ -30,7 +30,7 @@ from ray_ppu.devices.specs import SPECS
 from ray_ppu.plan import lora, vision
 from ray_ppu.plan.arithmetic import (expert_parameters_per_device, stage_parameters,
                                      trainable_stage_parameters)
-from ray_ppu.plan.te_options import uses_transformer_engine
+from ray_ppu.plan.kernels import Kernels, chunk_tokens, planned
 
 GIB = 1024 ** 3
 SNAPSHOT_COPIES = 5  # 2 kept + 2 replicas (ray_ppu.recovery.snapshot_keeper.KEEP) + 1 in flight
@@ -77,13 +77,16 @@ def _element_bytes(cfg: RunConfig) -> int:
     return 4 if cfg.training.precision == "fp32" else 2
 
 
-def layer_activation_bytes(cfg: RunConfig, plan, te: bool) -> dict[str, float]:
+def layer_activation_bytes(cfg: RunConfig, plan, kernels: Kernels) -> dict[str, float]:
     """Bytes one transformer layer keeps for its backward, per microbatch on one device.
 
     ``stored``: without recompute (selective: core attention's internals dropped, its q/k/v
     inputs kept); ``input``: the layer input alone (what full recompute keeps). s is this
     device's sequence share (CP), TP divides the projections, SP also the norm inputs.
+    ``kernels``: the run's (:mod:`ray_ppu.plan.kernels`): TE's layers, or the local spec with
+    torch's SDPA or Megatron-Core's reference attention.
     """
+    te = kernels.attention == "te"
     m, mem = cfg.model, cfg.memory
     e = _element_bytes(cfg)
     s = plan.seq_length / plan.context_parallel_size
@@ -107,6 +110,12 @@ def layer_activation_bytes(cfg: RunConfig, plan, te: bool) -> dict[str, float]:
         attention = (2 * q + 3 * k) * per_token
     elif te:  # fused / flash attention also keeps the softmax statistics (fp32 per head)
         attention = (2 * q + 3 * k) * per_token + s * b * heads * 4
+    elif kernels.attention == "sdpa":
+        # the same, plus its output: SDPA returns [b, heads, s, d], which the [s, b, h] layout
+        # the output projection reads is a copy of unless b = 1 (packed rows: one row)
+        packed_or_one = kernels.packed == "thd" or b == 1
+        attention = ((2 * q + 3 * k + (0 if packed_or_one else q)) * per_token
+                     + s * b * heads * 4)
     else:
         # Megatron's local attention repeats k and v to every query head (GQA): q, k, v at q
         # each; and it keeps the fp32 softmax output (and its 16-bit cast) for the s² product
@@ -145,10 +154,11 @@ def _in_flight(plan) -> int:
     return min(m * vp, 2 * (pp - 1) + (vp - 1) * pp + 1)
 
 
-def _activation_bytes(cfg: RunConfig, plan, te: bool, stage: str) -> tuple[float, int, float]:
+def _activation_bytes(cfg: RunConfig, plan, kernels: Kernels,
+                      stage: str) -> tuple[float, int, float]:
     """(stored bytes per microbatch-chunk, chunks in flight, recompute-unit bytes) of a stage."""
     m, mem = cfg.model, cfg.memory
-    layer = layer_activation_bytes(cfg, plan, te)
+    layer = layer_activation_bytes(cfg, plan, kernels)
     chunks = plan.virtual_pipeline_model_parallel_size or 1
     layers = m.num_layers // plan.pipeline_model_parallel_size // chunks  # per model chunk
     unit = 0.0
@@ -164,27 +174,42 @@ def _activation_bytes(cfg: RunConfig, plan, te: bool, stage: str) -> tuple[float
     in_flight = _in_flight(plan) if stage in ("first", "only") else 1
     if stage in ("first", "only"):  # a vision-language model's ViT and projector
         per_chunk += vision.activation_bytes(cfg, plan.micro_batch_size,
-                                             plan.tensor_model_parallel_size, _element_bytes(cfg))
+                                             plan.tensor_model_parallel_size, _element_bytes(cfg),
+                                             kernels.attention)
     if stage in ("last", "only"):
-        # final norm and output GEMM inputs; the cross entropy keeps the softmax of the
-        # logits (computed in place over them), fp32
-        s = plan.seq_length / plan.context_parallel_size
-        per_chunk += (2 * layer["input"]
-                      + s * plan.micro_batch_size * plan.padded_vocab_size
-                      / plan.tensor_model_parallel_size * 4)
+        per_chunk += _loss_bytes(cfg, plan, kernels, layer["input"])
     return per_chunk, in_flight, unit
 
 
-def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
+def _loss_bytes(cfg: RunConfig, plan, kernels: Kernels, layer_input: float) -> float:
+    """The last stage's output side: the final norm's input (and, torch's RMSNorm, its
+    normalised output), and what the loss keeps. Megatron's keeps the output layer's input and
+    the softmax of the microbatch's logits (fp32, over V'/TP); the chunked one the output
+    layer's input (the whole sequence: gathered under SP) and one fp32 log-sum-exp per token,
+    plus the softmax when the microbatch fits in one chunk (then it is not recomputed)."""
+    s = plan.seq_length / plan.context_parallel_size
+    tokens = s * plan.micro_batch_size
+    norm = layer_input * (1 if kernels.attention == "te" else 2)
+    logits = tokens * plan.padded_vocab_size / plan.tensor_model_parallel_size * 4  # fp32
+    if kernels.loss == "chunked":
+        vocab = plan.padded_vocab_size // plan.tensor_model_parallel_size
+        # a microbatch within one chunk keeps its softmax instead of recomputing it
+        single = tokens <= chunk_tokens(vocab, cfg.training.cross_entropy_chunk_tokens)
+        return (norm + tokens * cfg.model.hidden_size * _element_bytes(cfg) + tokens * 4
+                + (logits if single else 0.0))
+    return norm + layer_input + logits
+
+
+def memory_plan(cfg: RunConfig, plan, kernels: Optional[Kernels] = None,
                 offload: Optional[float] = None) -> MemoryPlan:
-    """The memory plan of the most loaded device. ``te``: Transformer Engine layers (default:
-    what the target device would use, i.e. on unless the run is on CPU or asks for local
-    attention); ``offload``: the host share of the optimizer states (default: as configured,
-    ``auto`` computed by :func:`offload_fraction`)."""
+    """The memory plan of the most loaded device. ``kernels``: what the layers run (default:
+    what the target devices would use, :func:`ray_ppu.plan.kernels.planned`); ``offload``:
+    the host share of the optimizer states (default: as configured, ``auto`` computed by
+    :func:`offload_fraction`)."""
 
     t, mem = cfg.training, cfg.memory
-    if te is None:
-        te = uses_transformer_engine(cfg, cfg.cluster.device != "cpu")
+    if kernels is None:
+        kernels = planned(cfg)
     spec = SPECS[cfg.cluster.accelerator]
     device_gib = mem.device_memory_gib or spec.memory_gib
     if offload is None:
@@ -210,7 +235,7 @@ def memory_plan(cfg: RunConfig, plan, te: Optional[bool] = None,
     expert_shards = plan.expert_data_parallel_size if distributed else 1
     best = None
     for stage, params in stages.items():
-        per_chunk, in_flight, unit = _activation_bytes(cfg, plan, te, stage)
+        per_chunk, in_flight, unit = _activation_bytes(cfg, plan, kernels, stage)
         trainable = trains[stage]
         optimizer = ((trainable - experts) / shards + experts / expert_shards) * optimizer_per_param
         snapshot = trainable * param_bytes + optimizer  # weights + main copies and Adam's shard

@@ -1,12 +1,14 @@
 """The plan in a few lines a person reads: the launch logs them, ``--dry-run`` prints them on
 stderr (its JSON on stdout holds every number). Layout, batch arithmetic, schedule (with any
-token length that rounded to zero iterations), model size and FLOPs, the memory of one device.
+token length that rounded to zero iterations), model size and FLOPs, the kernels, the memory of
+one device.
 """
 
 from __future__ import annotations
 
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.plan.derived import rounded_to_zero, tokens_per_iteration
+from ray_ppu.plan.kernels import choose, planned
 from ray_ppu.plan.memory import HEADROOM, MemoryPlan
 from ray_ppu.plan.vision import component_parameters
 
@@ -18,7 +20,8 @@ def summary_lines(cfg: RunConfig, plan, memory: MemoryPlan) -> list[str]:
                    f"{plan.valid_samples} in all"] if plan.eval_iters else [])
     return ([_layout(plan), _batch(cfg, plan), _schedule(cfg, plan)]
             + [f"note: {line}" for line in rounded_to_zero(cfg)] + validation
-            + [_model(plan)] + _vision(cfg, plan) + _lora(cfg, plan) + [_memory(memory)])
+            + [_model(plan)] + _vision(cfg, plan) + _lora(cfg, plan) + [_kernels(cfg)]
+            + [_memory(memory)])
 
 
 def _layout(plan) -> str:
@@ -90,6 +93,16 @@ def _lora(cfg: RunConfig, plan) -> list[str]:
             f"{_count(plan.num_parameters)} parameters ({share:.2%}), "
             f"{_count(plan.num_trainable_parameters_per_device)} on the most loaded device: "
             f"LoRA {ranks}{also}; the base is frozen"]
+
+
+def _kernels(cfg: RunConfig) -> str:
+    """The kernels the layers run (:mod:`ray_ppu.plan.kernels`); on a device with
+    ``attention_backend=auto`` also what a worker without Transformer Engine takes."""
+    kernels = planned(cfg)
+    line = f"kernels: {kernels.describe()}"
+    if kernels.attention == "te" and cfg.training.attention_backend == "auto":
+        line += f" (a worker where Transformer Engine does not import: {choose(cfg, False).describe()})"
+    return line
 
 
 def _count(n: int) -> str:

@@ -28,6 +28,6 @@ def needs_transformer_engine(cfg: RunConfig) -> list[str]:
 
 
 def uses_transformer_engine(cfg: RunConfig, te_available: bool) -> bool:
-    """TE layers (TE spec) unless the config asks for Megatron-Core's local attention or TE is
-    not there; ``auto`` takes TE where it imports."""
-    return te_available and cfg.training.attention_backend != "local"
+    """TE layers (TE spec) unless the config asks for a torch attention (``sdpa``, or
+    Megatron-Core's ``local``) or TE is not there; ``auto`` takes TE where it imports."""
+    return te_available and cfg.training.attention_backend not in ("local", "sdpa")

@@ -67,14 +67,17 @@ def trainable_parameters(cfg: RunConfig) -> int:
     return sum(n for name, n in parts.items() if name not in cfg.vision.freeze)
 
 
-def activation_bytes(cfg: RunConfig, micro_batch_size: int, tp: int, element_bytes: int) -> float:
+def activation_bytes(cfg: RunConfig, micro_batch_size: int, tp: int, element_bytes: int,
+                     attention: str = "sdpa") -> float:
     """What the image side keeps for backward per microbatch on a first-stage device: one
     image per sample (the plan's estimate). A frozen ViT (pixels need no gradient) keeps
     nothing, nor does a frozen projector behind it. A training ViT layer keeps, per position,
     its two LayerNorm inputs and outputs (4h), q, k, v and the attention output (4h / TP), the
-    MLP's input-side GELU tensors (2f / TP), and the fp32 softmax over every position pair
-    (heads / TP × n², plus its 16-bit cast); a training projector its input, its hidden
-    layer and the GELU output (h + 2H / TP) per image token."""
+    MLP's input-side GELU tensors (2f / TP), and its attention's softmax: the fp32 statistics
+    per head and position of a fused kernel (``attention`` te / sdpa), or with Megatron-Core's
+    reference attention (``local``) the fp32 softmax over every position pair (heads / TP ×
+    n², plus its 16-bit cast); a training projector its input, its hidden layer and the GELU
+    output (h + 2H / TP) per image token."""
     v = cfg.vision
     if not v.enabled:
         return 0.0
@@ -87,7 +90,9 @@ def activation_bytes(cfg: RunConfig, micro_batch_size: int, tp: int, element_byt
     per_image = 0.0
     if vit_trains:
         heads = v.num_attention_heads / tp
-        layer = n * e * (4 * h + (4 * h + 2 * f) / tp) + heads * n * n * (4 + (e if e < 4 else 0))
+        softmax = (heads * n * n * (4 + (e if e < 4 else 0)) if attention == "local"
+                   else heads * n * 4)
+        layer = n * e * (4 * h + (4 * h + 2 * f) / tp) + softmax
         per_image += v.layers_built * layer
     if vit_trains or projector_trains:
         per_image += v.image_tokens * e * (h + 2 * H / tp)

@@ -35,7 +35,11 @@ _FROM_INIT = ["checkpoint.load={out}/init/ray_train/init", "checkpoint.finetune=
               "checkpoint.enabled=false"]
 CPU_VARIANTS: dict[str, tuple[list[str], Optional[str], float]] = {
     "init": (["training.train_iters=2", "training.lr_warmup_iters=0"], None, 0.0),
-    "plain": (_FROM_INIT, None, 0.0),
+    # its last iteration under the step profiler (which changes no arithmetic)
+    "plain": ([*_FROM_INIT, "output.profile_iters=1", "output.profile_start=3"], None, 0.0),
+    # Megatron-Core's reference attention and loss, against the torch kernels of the others
+    "reference_kernels": ([*_FROM_INIT, "training.attention_backend=local",
+                           "training.cross_entropy=megatron"], "plain", 1e-5),
     "no_overlap": ([*_FROM_INIT, "parallel.overlap_grad_reduce=false",
                     "parallel.overlap_param_gather=false"], "plain", 1e-6),
     "selective_recompute": ([*_FROM_INIT, "memory.recompute=selective"], "plain", 1e-6),

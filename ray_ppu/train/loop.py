@@ -108,7 +108,7 @@ class Hooks:
 def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hooks, *,
           start_iteration: int = 0, valid_batches: Optional[Iterator[Microbatch]] = None,
           log_interval: int = 1, save_interval: Optional[int] = None,
-          packed: Optional[str] = None) -> dict:
+          packed: Optional[str] = None, profiler=None) -> dict:
     """Run iterations ``start_iteration .. plan.train_iters``; returns the last logged metrics.
 
     Each iteration is a :func:`train_step`; then the hooks: ``on_iteration``, a training row for
@@ -119,6 +119,7 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
     are kept off the step-time clock.
     ``packed``: how packed rows keep samples apart, ``"mask"`` or ``"thd"``
     (``model.packed_format``); ``"mask"`` when the plan packs and it is not given.
+    ``profiler``: a :class:`~ray_ppu.monitor.step_profile.StepProfiler` around the steps.
     """
     plan = state.plan
     wire_gradient_sync(state.model, state.optimizer)
@@ -133,7 +134,8 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
                      "consumed_samples": start_iteration * plan.global_batch_size}
 
     for iteration in range(start_iteration, plan.train_iters):
-        train_step(state, schedule, timed, window)
+        with profiler.iteration(iteration + 1) if profiler else contextlib.nullcontext():
+            train_step(state, schedule, timed, window)
         done = iteration + 1
         last = done == plan.train_iters
         action = None
@@ -174,7 +176,8 @@ def train_step(state: TrainState, schedule, batches, window: "_Window") -> None:
         chunk.zero_grad_buffer()
     state.optimizer.zero_grad()
     losses = schedule(batches, forward_only=False)
-    updated, grad_norm, _ = state.optimizer.step()
+    with torch.profiler.record_function("ray_ppu.optimizer"):
+        updated, grad_norm, _ = state.optimizer.step()
     if updated:
         state.scheduler.step(increment=state.plan.global_batch_size)
         window.grad_norm = float(grad_norm) if grad_norm is not None else math.nan

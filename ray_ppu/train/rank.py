@@ -102,7 +102,8 @@ def train_rank(
             final = train(state, batches, duties.hooks(), start_iteration=start_iteration,
                           valid_batches=valid_batches, log_interval=cfg.training.log_interval,
                           save_interval=cfg.checkpoint.save_interval,
-                          packed=packed_format(cfg, plan, backend))
+                          packed=packed_format(cfg, plan, backend),
+                          profiler=duties.profiler())
             return duties.finish(final)
         finally:
             duties.close()
@@ -125,6 +126,7 @@ class _RankDuties:
         self.on_checkpoint, self.interruption, self.on_metrics = on_checkpoint, interruption, on_metrics
         self.snapshots, self.progress = snapshots, progress
         self.rank0 = dist.get_rank() == 0
+        self.backend, self.kernels = backend, None
         self.writer = MetricsWriter(cfg.output.dir, cfg.output.tensorboard) if self.rank0 else None
         self.samples = None
         if cfg.output.sample_log and batches is not None:
@@ -157,10 +159,21 @@ class _RankDuties:
             s = self.state
             self.snapshots.after(done, s.model, s.optimizer, s.scheduler)
 
+    def profiler(self):
+        """``output.profile_iters`` on rank 0: the step profiler (None: not profiling)."""
+        if not (self.rank0 and self.cfg.output.profile_iters):
+            return None
+        from ray_ppu.monitor.step_profile import StepProfiler
+
+        return StepProfiler(self.cfg.output.dir, self.cfg.output.profile_iters,
+                            self.cfg.output.profile_start)
+
     def model_ready(self, state) -> None:
         self.state = state
         if self.rank0:  # after the load: the resume decision was made before this group began
             checkpoint.remove_incomplete(self.root)
+            self.kernels = worker_kernel_names(self.cfg, self.backend, state.device)
+            log.info("kernels: %s", ", ".join(f"{k} {v}" for k, v in self.kernels.items()))
         self.timeline["model_ready"] = time.perf_counter()
 
     def on_log(self, metrics: dict) -> None:
@@ -178,7 +191,7 @@ class _RankDuties:
             self.writer.write(metrics)
             if "lm_loss" in metrics and self.startup is not None and not self.failures:
                 _log_startup(self.writer, metrics["iteration"], self.startup, self.timeline,
-                             self.batches, self.resume)
+                             self.batches, self.resume, self.kernels)
                 self.startup = None  # once: the start row follows the first training row
         if self.on_metrics is not None:  # every rank: its own throughput, memory, data wait
             self.on_metrics(metrics)
@@ -314,16 +327,37 @@ def _load_state(cfg: RunConfig, plan: Plan, resume, start_iteration: int, model:
 
 
 def _log_startup(writer: MetricsWriter, iteration: int, startup: dict, timeline: dict,
-                 batches, resume) -> None:
+                 batches, resume, kernels: Optional[dict]) -> None:
     """The ``start`` row and its ``start:`` line: each start-up phase once, in the order they
-    ran (the first step includes the wait for the first batch), and where the state came from
-    (``resumed_from``: a checkpoint's name, ``memory:<nodes>``, or None from scratch)."""
+    ran (the first step includes the wait for the first batch), where the state came from
+    (``resumed_from``: a checkpoint's name, ``memory:<nodes>``, or None from scratch) and the
+    kernels the layers run (:func:`worker_kernel_names`)."""
     phases = {**startup,
               "model": timeline["model_ready"] - timeline["entered"],
               "first batch": getattr(batches, "first_wait_s", None) or 0.0,
               "first step": timeline["first_step_done"] - timeline["model_ready"]}
     writer.write({"event": "start", "iteration": iteration,
-                  "resumed_from": Path(resume.path).name if resume else None, "phases_s": phases})
+                  "resumed_from": Path(resume.path).name if resume else None, "phases_s": phases,
+                  "kernels": kernels})
+
+
+def worker_kernel_names(cfg: RunConfig, backend: devices.Backend, device) -> dict:
+    """What this worker's layers compute with (:mod:`ray_ppu.plan.kernels`), with the packed
+    rows' torch kernel as it runs here (varlen flash attention, or one SDPA call per sample)."""
+    from dataclasses import asdict
+
+    from ray_ppu.model.gpt import worker_kernels
+
+    kernels = {k: v for k, v in asdict(worker_kernels(cfg, backend)).items() if v}
+    if kernels.get("packed") == "thd" and kernels["attention"] == "sdpa":
+        import torch
+
+        from ray_ppu.model.attention import packed_kernel
+        from ray_ppu.model.megatron_settings import PARAMS_DTYPE
+
+        dtype = getattr(torch, PARAMS_DTYPE[cfg.training.precision])
+        kernels["packed"] = f"thd ({packed_kernel(torch.empty(0, device=device, dtype=dtype))})"
+    return kernels
 
 
 def _image_spec(cfg: RunConfig):

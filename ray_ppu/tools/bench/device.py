@@ -2,7 +2,9 @@
 activation / optimizer offload, CP 2), on every visible device; then a MoE at EP 1 vs EP = the
 devices, with its token dispatcher's time and MFU; then a vision-language run (a 4-layer slice
 of llava-qwen2.5-7b with the whole SigLIP-so400m, Bunny's stage 2) with MFU and memory; last
-the Qwen-VL row's LoRA fine-tuning on a slice of qwen2.5-vl-7B (:mod:`.qwen_vl`).
+the Qwen-VL row's LoRA fine-tuning on a slice of qwen2.5-vl-7B (:mod:`.qwen_vl`). ``--part mfu``
+(:mod:`.mfu`) is the speed check: four model kinds at their real width on the torch kernels,
+MFU against the datasheet and a measured matmul, memory against the plan, a step profile each.
 
 This is the prepared script others run on a lent GPU. On one H200 (no Transformer Engine) the
 VL part took 89 s, the MoE part 35 s and the Qwen2.5-VL part 154 s (its random bf16 base
@@ -29,9 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_corpus_argument(parser)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=120, help="per option or MoE run")
-    parser.add_argument("--part", choices=("all", "options", "moe", "vl", "qwen-vl"),
+    parser.add_argument("--part", choices=("all", "options", "moe", "vl", "qwen-vl", "mfu"),
                         default="all", help="the option matrix, the MoE EP comparison, the "
-                                            "LLaVA run, the Qwen2.5-VL LoRA run, or all four")
+                                            "LLaVA run, the Qwen2.5-VL LoRA run, all four, or "
+                                            "mfu: each model kind's MFU, memory against the "
+                                            "plan and step profile (not part of all)")
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="--part mfu: only these of dense, llava, qwen_vl, moe")
 
 
 def main(args) -> dict:
@@ -40,6 +46,10 @@ def main(args) -> dict:
 
     moe.require_cuda("benchmark.py device")  # before the corpus is built
     work, corpus = work_and_corpus(args)
+    if args.part == "mfu":
+        from ray_ppu.tools.bench import mfu
+
+        return mfu.device(work / "mfu", corpus, args.iters, args.timeout, args.cases)
     results = {}
     if args.part in ("all", "options"):
         results["options"] = option_matrix.device(corpus, args.iters, work / "runs", args.timeout)
