@@ -28,6 +28,8 @@ to one expert; on an H200 a MoE of 8 experts ran at 4.4 % MFU that way.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -132,7 +134,12 @@ def grouped_gemm_usable(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if device.type != "cuda":
         return dtype in (torch.float32, torch.bfloat16, torch.float16)
-    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return dtype == torch.bfloat16 and _capability(device.index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 class GroupedLayoutFreeMLP(LayoutFreeSequentialMLP):

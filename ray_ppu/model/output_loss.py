@@ -75,16 +75,19 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         kept = None
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
+            # in place over one chunk's fp32 logits: shifted by the row max, exponentiated
             logits = shard.logits(hidden[rows], weight)
             peak = shard.all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
-            sum_exp = shard.all_reduce(torch.exp(logits - peak[:, None]).sum(dim=-1))
+            shifted = logits.sub_(peak[:, None])
             column, inside = shard.targets(labels[rows])
-            picked = logits.gather(1, column[:, None])[:, 0].masked_fill(~inside, 0.0)
-            picked = shard.all_reduce(picked)
+            picked = shard.all_reduce(
+                shifted.gather(1, column[:, None])[:, 0].masked_fill(~inside, 0.0))
+            exp = shifted.exp_()
+            sum_exp = shard.all_reduce(exp.sum(dim=-1))
+            losses[rows] = torch.log(sum_exp) - picked
             lse[rows] = peak + torch.log(sum_exp)
-            losses[rows] = lse[rows] - picked
-            if n <= chunk:  # the one chunk: turn the logits into d loss / d logits in place
-                kept = _unit_gradient(logits, lse[rows], column, inside)
+            if n <= chunk:  # the one chunk: softmax − one-hot kept for the backward pass
+                kept = _minus_one_hot(exp.div_(sum_exp[:, None]), column, inside)
         ctx.save_for_backward(hidden, weight, labels, lse, *([] if kept is None else [kept]))
         ctx.shard, ctx.chunk = shard, chunk
         return losses
@@ -94,36 +97,37 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         hidden, weight, labels, lse, *kept = ctx.saved_tensors
         shard, chunk = ctx.shard, ctx.chunk
         want_hidden, want_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        # fp32 accumulation over the chunks (one rounding to the weight's dtype at the end)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32,
-                                  device=weight.device) if want_weight else None
         n = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = None
+        if want_weight and n > chunk:  # summed over the chunks in fp32, rounded once at the end
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             h = hidden[rows]
             if kept:
-                d_logits = kept[0] * grad_losses[rows, None]
+                d_logits = kept[0].mul_(grad_losses[rows, None])  # used once: in place
             else:  # recomputed, a chunk of fp32 logits at a time
                 column, inside = shard.targets(labels[rows])
-                d_logits = _unit_gradient(shard.logits(h, weight), lse[rows], column, inside)
-                d_logits.mul_(grad_losses[rows, None])
+                probs = shard.logits(h, weight).sub_(lse[rows, None]).exp_()
+                d_logits = _minus_one_hot(probs, column, inside).mul_(grad_losses[rows, None])
             d_logits = d_logits.to(weight.dtype)
             if want_hidden:  # this shard's part; Megatron's mapping sums the TP ranks' parts
                 grad_hidden[rows] = d_logits @ weight
-            if want_weight:
+            if want_weight and grad_weight is None:
+                grad_weight = d_logits.t() @ h  # the one chunk
+            elif want_weight:
                 grad_weight.add_(d_logits.t() @ h)
-        if want_weight:
+        if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
 
 
-def _unit_gradient(logits: torch.Tensor, lse: torch.Tensor, column: torch.Tensor,
+def _minus_one_hot(probs: torch.Tensor, column: torch.Tensor,
                    inside: torch.Tensor) -> torch.Tensor:
-    """``softmax − one-hot(label)`` over this shard's columns, in place of ``logits`` (no host
+    """``probs − one-hot(label)`` in place over this shard's columns (no host
     synchronisation: the one-hot is a scatter of 0 / −1)."""
-    d_logits = logits.sub_(lse[:, None]).exp_()
-    return d_logits.scatter_add_(1, column[:, None], -inside.to(d_logits.dtype)[:, None])
+    return probs.scatter_add_(1, column[:, None], -inside.to(probs.dtype)[:, None])
 
 
 def chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,

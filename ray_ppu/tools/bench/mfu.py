@@ -144,8 +144,10 @@ def _launch(name: str, overrides: list[str], run: Path, timeout: float) -> None:
     if launch == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                str(REPO / "entrypoints" / "torchrun_pretrain.py")]
-    else:
-        cmd = [sys.executable, str(REPO / "entrypoints" / "pretrain.py")]
+    else:  # a config file of its own (without one pretrain.py runs the demo and its corpus)
+        (run / "case.yaml").write_text("{}\n")
+        cmd = [sys.executable, str(REPO / "entrypoints" / "pretrain.py"), "--config",
+               str(run / "case.yaml")]
     proc = subprocess.run([*cmd, *overrides, f"output.dir={run}"], capture_output=True,
                           text=True, timeout=timeout)
     (run / "stderr.txt").write_text(proc.stderr[-200_000:])
@@ -154,21 +156,26 @@ def _launch(name: str, overrides: list[str], run: Path, timeout: float) -> None:
 
 
 def run_case(name: str, work: Path, corpus: str, iters: int, accelerator: str,
-             matmul: float, timeout: float) -> dict:
-    """Train case ``name`` for ``iters`` iterations; its figures."""
+             matmul: float, timeout: float, layers: Optional[int] = None,
+             shrink: tuple = ()) -> dict:
+    """Train case ``name`` for ``iters`` iterations; its figures. ``layers``: instead of
+    :func:`layers_that_fit`; ``shrink``: overrides last (a CPU rehearsal of the wiring with a
+    tiny model: ``cluster.device=cpu``, ``model.hidden_size=…``)."""
     from ray_ppu.devices.specs import SPECS
     from ray_ppu.tools.bench.common import metrics_rows
 
     _, overrides, _, setting = CASES[name]
-    layers = layers_that_fit(name, accelerator)
+    layers = layers or layers_that_fit(name, accelerator)
     extra = [*_COMMON, *overrides, f"model.num_layers={layers}",
              f"cluster.accelerator={accelerator}", "cluster.num_workers=1",
              f"training.global_batch_size={_gbs(overrides)}", f"training.train_iters={iters}",
-             f"output.profile_iters={PROFILED}", f"output.profile_start={iters - PROFILED + 1}"]
+             f"output.profile_iters={PROFILED}", f"output.profile_start={iters - PROFILED + 1}",
+             *shrink]
     if name == "qwen_vl":
         from ray_ppu.tools.bench import qwen_vl
 
-        base = qwen_vl.random_base(work / "qwen_vl" / f"base_{layers}", extra, "cuda")
+        device = "cpu" if "cluster.device=cpu" in shrink else "cuda"
+        base = qwen_vl.random_base(work / "qwen_vl" / f"base_{layers}", extra, device)
         extra.append(f"checkpoint.pretrained={base}")
     run = work / name
     run.mkdir(parents=True, exist_ok=True)
