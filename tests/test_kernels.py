@@ -344,38 +344,40 @@ def _run(jobs: dict) -> None:
 
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
     out = Path(jobs["out"])
-    base = ["data.data_path=[corpus]", "cluster.device=cpu", "cluster.num_workers=2",
-            "training.train_iters=1", "training.precision=fp32", f"training.seq_length={SEQ}",
-            "training.micro_batch_size=2", "model.preset=tiny", "model.num_layers=2",
+    base = ["cluster.device=cpu", "cluster.num_workers=2", "training.train_iters=1",
+            "training.precision=fp32", f"training.seq_length={SEQ}", "training.micro_batch_size=2",
+            "model.preset=tiny", "model.num_layers=2",
             # 1000 tokens padded to 1024 (a multiple of 128 × TP): padding rows on TP rank 1
             "model.vocab_size=1000", "model.make_vocab_size_divisible_by=128",
-            "parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]
+            "parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false",
+            # packed SFT rows (the model is the same; only how its batches keep samples apart)
+            "data.dataset=sft", "data.packing=true", "data.data_path=[records]",
+            "data.tokenizer=tok", "training.eval_iters=0"]
     used: dict = {}
     with parallel.process_group("cpu"):
         for layout, overrides in LAYOUTS.items():
-            for rows in ("unpacked", "packed"):
-                result = {}
-                for side, kernels in (("reference", REFERENCE), ("torch", TORCH)):
-                    extra = ["data.dataset=sft", "data.packing=true", "data.tokenizer=tok",
-                             "training.eval_iters=0"] if rows == "packed" else []
-                    cfg = load(None, [*base, *overrides, *kernels, *extra])
-                    plan = build_plan(cfg)
-                    cfg = dataclasses.replace(cfg, training=dataclasses.replace(
-                        cfg.training, global_batch_size=2 * plan.data_parallel_size))
-                    plan = build_plan(cfg)
-                    with devices.bound("cpu", 0):
-                        parallel.initialize(plan, cfg.training.seed)
-                        try:
-                            chunks, _ = build_model(cfg, plan, "cpu")
-                            used.setdefault(layout, {})[side] = _kinds(chunks)
-                            packed = packed_format(cfg, plan, "cpu")
-                            batch = _microbatch(rows == "packed", 1000)
-                            loss, grads = _step(cfg, plan, chunks, batch, packed)
-                        finally:
-                            parallel.destroy()
-                    result[side] = {"loss": loss, "grads": grads}
+            result: dict = {"unpacked": {}, "packed": {}}
+            for side, kernels in (("reference", REFERENCE), ("torch", TORCH)):
+                cfg = load(None, [*base, *overrides, *kernels])
+                dp = build_plan(cfg).data_parallel_size
+                cfg = dataclasses.replace(cfg, training=dataclasses.replace(
+                    cfg.training, global_batch_size=2 * dp))
+                plan = build_plan(cfg)
+                with devices.bound("cpu", 0):
+                    parallel.initialize(plan, cfg.training.seed)
+                    try:  # one build, both kinds of rows
+                        chunks, _ = build_model(cfg, plan, "cpu")
+                        used.setdefault(layout, {})[side] = _kinds(chunks)
+                        for rows, packed in (("unpacked", None),
+                                             ("packed", packed_format(cfg, plan, "cpu"))):
+                            loss, grads = _step(cfg, plan, chunks,
+                                                _microbatch(rows == "packed", 1000), packed)
+                            result[rows][side] = {"loss": loss, "grads": grads}
+                    finally:
+                        parallel.destroy()
+            for rows, sides in result.items():
                 everything = [None] * dist.get_world_size()
-                dist.all_gather_object(everything, result)
+                dist.all_gather_object(everything, sides)
                 if dist.get_rank() == 0:
                     torch.save(everything, out / f"{layout}_{rows}.pt")
         if dist.get_rank() == 0:

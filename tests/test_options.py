@@ -213,6 +213,9 @@ def test_gpu_only_option_on_a_worker_without_transformer_engine_is_an_error():
     (["data.dataset=sft", "data.tokenizer=x", "training.eval_iters=0", "data.packing=true",
       "cluster.device=auto", "cluster.num_workers=2", "parallel.context_parallel_size=2"],
      "data.packing with CP 2"),
+    (["cluster.device=auto", "cluster.num_workers=2", "parallel.context_parallel_size=2",
+      "training.attention_backend=sdpa"],
+     "training.attention_backend=sdpa has no context parallelism"),
 ])
 def test_invalid_combination_is_rejected_with_the_config(extra, message):
     with pytest.raises(ConfigError) as err:

@@ -47,7 +47,9 @@ class PackedWindowAttention(torch.nn.Module):
     def __init__(self, hf_attention: torch.nn.Module) -> None:
         super().__init__()
         self.qkv, self.proj = hf_attention.qkv, hf_attention.proj
-        self.num_heads, self.scaling = hf_attention.num_heads, hf_attention.scaling
+        self.num_heads = hf_attention.num_heads
+        head_dim = self.qkv.out_features // 3 // self.num_heads
+        self.scaling = getattr(hf_attention, "scaling", None) or head_dim ** -0.5
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 position_embeddings=None, max_seqlen=None, **_) -> torch.Tensor:

@@ -274,6 +274,11 @@ def _option_problems(cfg: RunConfig, layers_per_chunk: Optional[int]) -> list[st
     if cfg.cluster.device == "cpu":
         problems += [f"{need} needs Transformer Engine, which cluster.device=cpu does not have"
                      for need in needs_transformer_engine(cfg)]
+    elif p.context_parallel_size > 1 and t.attention_backend in ("sdpa", "local"):
+        problems.append(f"parallel.context_parallel_size={p.context_parallel_size} needs "
+                        f"Transformer Engine's attention; training.attention_backend="
+                        f"{t.attention_backend} has no context parallelism (use auto or a TE "
+                        f"backend)")
     return problems
 
 

@@ -45,8 +45,8 @@ SWITCHES = {  # option: (key, value when given, value when absent: Megatron's de
 BY_DESIGN = {  # switch: why ray_ppu needs no setting for it
     "--swiglu": "ray_ppu's MLP is always SwiGLU",
     "--group-query-attention": "model.num_query_groups alone sets grouped-query attention",
-    "--moe-grouped-gemm": "the experts run as Transformer Engine's grouped GEMM whenever it is "
-                          "installed (ray_ppu has no switch for it)",
+    "--moe-grouped-gemm": "the experts run as one grouped GEMM by default (Transformer "
+                          "Engine's, or torch's without it: training.moe_grouped_gemm)",
 }
 CHOICES = {  # option taking a word: the words ray_ppu reproduces
     "--normalization": ("RMSNorm",),
