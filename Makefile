@@ -47,7 +47,9 @@ chromium:  ## Debian's chromium for tests/test_report.py (apt-get, as root)
 	fi
 
 test: $(VENV)/.installed chromium  ## the CPU test suite (real Ray, real Megatron-Core)
-	$(PY) -m pytest -q
+	@start=$$(date +%s); $(PY) -m pytest -q; status=$$?; \
+		echo "make test: $$(( $$(date +%s) - start )) s in all (pytest's own count above)"; \
+		exit $$status
 
 test-faults: $(VENV)/.installed  ## node loss, elastic shrink/grow, kill during a save, drain, full disk (about 15 minutes)
 	$(PY) -m pytest -q -m faults

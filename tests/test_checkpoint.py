@@ -19,9 +19,9 @@ iterations of the tiny model as in test_training.py, saving every 4:
   interrupted run's DP-2 checkpoint at iteration 4 and a newer, incomplete one (no meta file).
 * ``finetuned``: ``checkpoint.finetune=true`` from the uninterrupted run's final checkpoint.
 
-Run with ``python tests/test_checkpoint.py CHECKPOINT OVERRIDES...`` this file is also the
-independent measurement for the finetune test: one process, no Ray, loads CHECKPOINT exactly
-as a resume does and prints the model's loss on the first global batch.
+The finetune test's reference is measured apart from the runs: in the test process, without
+Ray, each checkpoint loaded exactly as a resume loads it and the model's loss on the first
+global batch evaluated.
 """
 
 from __future__ import annotations
@@ -30,15 +30,12 @@ import dataclasses
 import json
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from ray_ppu.util.net import free_port
 from ray_ppu import checkpoint
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.launch.launcher import launch
@@ -284,20 +281,29 @@ def _dataset_managers() -> int:
     return len(list_actors(filters=[("class_name", "=", "DatasetManager")], limit=10_000))
 
 
-def scrape_ray_metrics(run: str, lines: list):
-    """A ``launch_while`` action: every second, the node's metrics endpoint (what Prometheus
-    scrapes); keeps the last scrape's ``ray_ppu_*`` samples of ``run``."""
+def scrape_ray_metrics(run: str, lines: list, ranks: int = 2):
+    """A ``launch_while`` action: the node's metrics endpoint (what Prometheus scrapes), every
+    half second while the run trains and after it until a scrape holds the gauges of every
+    rank (the workers export every 2 s: the first rows may not be there yet), 30 s at most;
+    keeps the last such scrape's ``ray_ppu_*`` samples of ``run``."""
     import ray
     import urllib.request
 
+    from ray_ppu.monitor.ray_gauges import GAUGES
+
     port = ray.nodes()[0]["MetricsExportPort"]
+    wanted = {("ray_" + GAUGES[key][0], f'rank="{rank}"') for rank in range(ranks)
+              for key in ("lm_loss", "tflops_per_device", "mfu", "step_time_s", "iteration")}
+
+    def complete(found: list) -> bool:
+        return all(any(line.startswith(name + "{") and rank in line for line in found)
+                   for name, rank in wanted)
 
     def action(stop: threading.Event) -> None:
-        ended = None  # once the run is over: its last export, looked for 10 s at most
-        while ended is None or (not lines and time.monotonic() - ended < 10):
-            if stop.wait(1.0):
-                ended = ended or time.monotonic()
-                time.sleep(1.0)
+        ended = None
+        while ended is None or (not lines and time.monotonic() - ended < 30):
+            if stop.wait(0.5) and ended is None:
+                ended = time.monotonic()
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                     text = r.read().decode()
@@ -305,7 +311,7 @@ def scrape_ray_metrics(run: str, lines: list):
                 continue
             found = [line for line in text.splitlines()
                      if line.startswith("ray_ppu_") and f'run="{run}"' in line]
-            if found:
+            if complete(found):
                 lines[:] = found
 
     return action
@@ -707,20 +713,15 @@ def test_a_moe_checkpoint_resumes_only_at_its_expert_layout(tmp_path):
 
 
 def _measured_losses(paths: list, corpus, out: Path) -> list[float]:
-    """Each checkpoint's loss on global batch 0, in one separate process (the __main__ below)."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__, *map(str, paths), "--",
-         *_overrides(corpus, out, "cluster.num_workers=1")],
-        capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])["losses"]
+    """Each checkpoint's loss on global batch 0, measured here, without Ray (the runs saved
+    them under Ray Train)."""
+    return _losses_of_checkpoints_on_first_batch(
+        [str(p) for p in paths], _overrides(corpus, out, "cluster.num_workers=1"))
 
 
 def _losses_of_checkpoints_on_first_batch(paths: list[str], overrides: list[str]) -> list[float]:
-    """One process, gloo world of 1: build the model like a worker, load each of ``paths`` as a
-    full resume would, and evaluate global batch 0 of the training data (forward only)."""
+    """A gloo world of 1 in this process: build the model like a worker, load each of ``paths``
+    as a full resume would, and evaluate global batch 0 of the training data (forward only)."""
     import dataclasses
 
     import torch
@@ -735,7 +736,7 @@ def _losses_of_checkpoints_on_first_batch(paths: list[str], overrides: list[str]
 
     cfg = absolute_paths(load(None, overrides))
     plan = dataclasses.replace(build_plan(cfg), eval_iters=1)  # one global batch
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     spec = idxmap.spec_for(cfg, plan)
     idxmap.datasets(spec)
     try:
@@ -760,9 +761,3 @@ def _losses_of_checkpoints_on_first_batch(paths: list[str], overrides: list[str]
         dist.destroy_process_group()
     return losses
 
-
-if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
-    logging.getLogger("megatron.core").setLevel(logging.WARNING)
-    split = sys.argv.index("--")
-    print(json.dumps({"losses": _losses_of_checkpoints_on_first_batch(sys.argv[1:split],
-                                                                      sys.argv[split + 1:])}))

@@ -231,7 +231,10 @@ def test_cpu_options_train_with_the_plain_runs_losses(corpus, tmp_path):
     weights: recompute (selective, full uniform/block), grad/param overlap off, distributed
     optimizer off, TP 2 with and without SP, PP 2 with and without VP, bf16 and fp16, and
     Megatron-Core's reference attention and loss against the torch kernels."""
-    results = option_runs.run_variants(option_runs.CPU_VARIANTS, option_runs.cpu_base(corpus),
+    # one index cache for every variant (the same corpus, split and sample counts but init's)
+    results = option_runs.run_variants(option_runs.CPU_VARIANTS,
+                                       [*option_runs.cpu_base(corpus),
+                                        f"data.index_cache_dir={tmp_path / 'index_cache'}"],
                                        2, tmp_path)
     verdicts = option_runs.compare(option_runs.CPU_VARIANTS, results)
     assert all(r["ran"] for r in results.values()), {k: r["error"] for k, r in results.items()}

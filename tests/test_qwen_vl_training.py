@@ -63,18 +63,27 @@ def _config(model_dir, records, out, tp, *extra):
 
 
 @pytest.fixture(scope="module")
-def tp1(ray_cluster, tiny_qwen_vl_dir, records, tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen_vl_tp1")
-    return _run(_config(tiny_qwen_vl_dir, records, out, 1))
+def row_cache(tmp_path_factory):
+    """One SFT row cache for both runs (its key is the records, tokenizer and row layout, which
+    they share): the second run's rows are read, not made again by Ray Data."""
+    return tmp_path_factory.mktemp("qwen_vl_rows")
 
 
 @pytest.fixture(scope="module")
-def tp2(ray_cluster, tiny_qwen_vl_dir, records, tmp_path_factory):
+def tp1(ray_cluster, tiny_qwen_vl_dir, records, row_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen_vl_tp1")
+    # the reference losses only: no snapshots, no checkpoint
+    return _run(_config(tiny_qwen_vl_dir, records, out, 1, "checkpoint.memory_interval=0",
+                        "checkpoint.enabled=false", f"data.index_cache_dir={row_cache}"))
+
+
+@pytest.fixture(scope="module")
+def tp2(ray_cluster, tiny_qwen_vl_dir, records, row_cache, tmp_path_factory):
     from test_checkpoint import kill_a_worker_at
 
     out = tmp_path_factory.mktemp("qwen_vl_tp2")
     cfg = _config(tiny_qwen_vl_dir, records, out, 2, "checkpoint.memory_interval=4",
-                  "cluster.max_failures=1")
+                  "cluster.max_failures=1", f"data.index_cache_dir={row_cache}")
     killed: list = []
     result = _run(cfg, kill_a_worker_at(out / "metrics.jsonl", 5, killed))
     assert len(killed) == 1, killed

@@ -33,13 +33,19 @@ class _Server:
         self.uri = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        import os
         import urllib.request
 
+        # lean: one web worker, and no job runner (MLflow 3 otherwise starts huey consumer
+        # pools for its GenAI jobs beside a SQL store: ~8 processes importing mlflow)
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+               "MLFLOW_SERVER_JOB_ENABLE_PERIODIC_TASKS": "false"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port",
              str(self.port), "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
              "--artifacts-destination", str(self.root / "artifacts"), "--workers", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env=env)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             try:
@@ -86,9 +92,14 @@ def _train(i: int) -> dict:
 
 def _wait_sent(feed, rows: int, timeout: float = 30) -> None:
     """Until every tracker of ``feed`` has sent ``rows`` items (the tail reads every second)."""
+    _wait(lambda: all(s.sent >= rows for s in feed.senders), timeout)
+
+
+def _wait(condition, timeout: float = 30) -> None:
+    """Until ``condition()`` holds (polled every 0.1 s), or ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
-    while any(s.sent < rows for s in feed.senders) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def test_mlflow_gets_params_every_row_once_events_artifacts_and_one_run_across_a_resume(
@@ -109,7 +120,7 @@ def test_mlflow_gets_params_every_row_once_events_artifacts_and_one_run_across_a
         _wait_sent(feed, 1 + 6 + 1 + 2)  # parameters, 6 training rows, 1 validation, 2 events
         server.stop()  # down: rows are kept, the run goes on
         _append(out, _train(7), _train(8))
-        time.sleep(2)
+        _wait(lambda: all(s.failures and s.queued.get("train", 0) >= 8 for s in feed.senders))
         server.start()
         summary = feed.finish("FINISHED", [out / "config.yaml", out / "plan.json"])
     run_id = summary["mlflow"]["run_id"]
@@ -161,9 +172,16 @@ def test_a_tracker_that_never_answers_costs_the_run_nothing(tmp_path, monkeypatc
     assert last["event"] == "trackers_dropped" and last["dropped"] == {"mlflow": 5}
 
 
-def test_wandb_offline_history_holds_every_row(tmp_path):
+def test_wandb_offline_history_holds_every_row(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from wandb.proto import wandb_internal_pb2
+
+    # lean: no system metrics, machine facts, requirements, git or code capture (the rows are
+    # what the test reads); each is a process or a scan W&B otherwise starts with the run
+    for key, value in {"WANDB__DISABLE_STATS": "true", "WANDB__DISABLE_META": "true",
+                       "WANDB__DISABLE_MACHINE_INFO": "true", "WANDB__SAVE_REQUIREMENTS": "false",
+                       "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}.items():
+        monkeypatch.setenv(key, value)
 
     out = tmp_path / "run"
     cfg, plan = _run(out, "output.trackers=[wandb]", "output.wandb_mode=offline")
@@ -179,7 +197,7 @@ def test_wandb_offline_history_holds_every_row(tmp_path):
             history = _wandb_history(run_file, wandb_internal_pb2)
         except Exception:  # a chunk half written: read again
             history = {}
-        time.sleep(0.5 if len(history) < 4 else 0)
+        time.sleep(0.1 if len(history) < 4 else 0)
     assert sorted(history) == [1, 2, 3, 4]
     assert [history[i]["train/lm_loss"] for i in (1, 2, 3, 4)] == [
         _train(i)["lm_loss"] for i in (1, 2, 3, 4)]

@@ -151,7 +151,8 @@ def test_moe_at_tp2_ep2_on_ray_trains_like_one_process(moe_baseline, corpus, tmp
     moe = train_on_ray(corpus, tmp_path, "model.preset=tiny-moe", "cluster.num_workers=2",
                        "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
                        "parallel.expert_model_parallel_size=2",
-                       "parallel.expert_tensor_parallel_size=1")
+                       "parallel.expert_tensor_parallel_size=1",
+                       "checkpoint.enabled=false")  # nothing reads its checkpoint
     reference, reference_rows = moe_baseline
     assert_falls(moe)
     assert moe == pytest.approx(reference, abs=2e-4)

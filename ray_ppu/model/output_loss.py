@@ -30,7 +30,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-from ray_ppu.plan.kernels import CHUNK_LOGIT_BYTES, chunk_tokens
+from ray_ppu.plan.kernels import chunk_tokens
 
 class _Shard:
     """This rank's share of the vocabulary: rows [start, start + rows) of V', the first
@@ -177,7 +177,8 @@ class ChunkedLossGPTModel(GPTModel):
     computed by its output layer (:class:`ChunkedOutputLayer`).
 
     ``real_vocab_size``: the real vocabulary (``vocab_size``, the output layer's, is padded);
-    ``chunk``: ``training.cross_entropy_chunk_tokens`` (0 = by :data:`CHUNK_LOGIT_BYTES`)."""
+    ``chunk``: ``training.cross_entropy_chunk_tokens`` (0 = by
+    :data:`ray_ppu.plan.kernels.CHUNK_LOGIT_BYTES`)."""
 
     def __init__(self, *args, real_vocab_size: int, chunk: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)

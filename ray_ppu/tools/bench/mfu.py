@@ -61,11 +61,6 @@ MICROBATCHES = 4  # per iteration on one device: the optimizer step amortised ov
 def layers_that_fit(name: str, accelerator: str, memory_gib: Optional[float] = None) -> int:
     """The most layers of case ``name`` whose memory plan (without Transformer Engine) stays
     within :data:`FILL` of the device, up to the case's cap."""
-    from ray_ppu.config.loader import load
-    from ray_ppu.plan import build_plan
-    from ray_ppu.plan.kernels import choose
-    from ray_ppu.plan.memory import memory_plan
-
     best = 1
     for layers in range(1, CASES[name][2] + 1):
         mem = planned_memory(name, accelerator, layers, memory_gib)
