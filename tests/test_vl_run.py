@@ -45,14 +45,19 @@ def _config(shapes, base, out, data, *extra):
 
 @pytest.fixture(scope="module")
 def converted(tiny_llava_dir, tmp_path_factory):
-    """The LLaVA directory as a weights-only ray_ppu checkpoint (what a stage-1 run leaves),
-    converted in this process (test_vl_model runs convert_checkpoint.py's command line)."""
-    from ray_ppu.model import parallel
-    from ray_ppu.offline.hf_to_mcore import to_mcore
+    """The LLaVA directory as a weights-only ray_ppu checkpoint (what a stage-1 run leaves).
+    In a process of its own: the checkpoint writer forks a helper, and a fork of this process
+    (the session's Ray driver) breaks the Ray Data pipelines that follow."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
 
     out = tmp_path_factory.mktemp("vl_converted")
-    with parallel.process_group("cpu"):
-        to_mcore(tiny_llava_dir, out)
+    proc = subprocess.run([sys.executable, str(REPO / "entrypoints" / "convert_checkpoint.py"),
+                           "hf-to-mcore", "--hf", str(tiny_llava_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 

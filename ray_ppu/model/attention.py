@@ -51,10 +51,15 @@ def _varlen():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+_VARLEN_REFUSED: list[str] = []  # the device's varlen kernel failed once: why
+
+
 def packed_kernel(query: torch.Tensor) -> str:
     """Which kernel :func:`packed_attention` runs for ``query``: ``varlen`` (flash, 16-bit on
-    a CUDA-compatible device) or ``per_sample`` (SDPA once per sample: the CPU, fp32)."""
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen():
+    a CUDA-compatible device) or ``per_sample`` (SDPA once per sample: the CPU, fp32, or a
+    device whose varlen kernel refused to run, said once in the log)."""
+    if (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen()
+            and not _VARLEN_REFUSED):
         return "varlen"
     return "per_sample"
 
@@ -105,7 +110,15 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``[t, heads, hn]`` out. A token never sees another sample's tokens."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if packed_kernel(query) == "varlen" and dropout == 0.0:
-        return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, causal, scale)
+        try:
+            return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, causal, scale)
+        except RuntimeError as error:  # a build without the kernel for this device or shape
+            import logging
+
+            _VARLEN_REFUSED.append(str(error).splitlines()[0])
+            logging.getLogger(__name__).warning(
+                "torch's varlen attention refused to run (%s): packed rows take one SDPA "
+                "call per sample from now on", _VARLEN_REFUSED[0])
     return _per_sample_attention(query, key, value, cu_seqlens, causal, scale, dropout)
 
 
