@@ -1,7 +1,8 @@
 """Wheels for a machine that cannot reach a package registry: what ray_ppu needs that it lacks.
 
     python entrypoints/wheelhouse.py --have have.txt [--python 3.12] [--out wheelhouse]
-                                     [--without-dashboard] [--no-slim] [--max-mib 60]
+                                     [--without-dashboard] [--extras tokenizers]
+                                     [--no-slim] [--max-mib 60]
     # on the target:  pip install --no-index --find-links wheelhouse -r wheelhouse/requirements.txt
 
 ``have.txt``: the target's ``python3 -m pip list --format=freeze`` (or one name per line);
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--no-slim", action="store_true", help="ship Ray's wheel whole")
     parser.add_argument("--without-dashboard", action="store_true",
                         help="Ray without its dashboard extra (~15 MiB less; benchmarks)")
+    parser.add_argument("--extras", nargs="*", default=[],
+                        help="ray_ppu extras to include (tokenizers: the Qwen2 vocabulary the "
+                             "benchmarks tokenize their corpora with)")
     parser.add_argument("--max-mib", type=float, default=60.0,
                         help="refuse a wheelhouse larger than this (what one transfer carries)")
     args = parser.parse_args()
@@ -39,7 +43,8 @@ def main() -> None:
     out = Path(args.out)
     report = wheelhouse.build(out, wheelhouse.read_have(have), args.python,
                               slim=not args.no_slim, max_mib=args.max_mib,
-                              dashboard=not args.without_dashboard)
+                              dashboard=not args.without_dashboard,
+                              extras=tuple(args.extras))
     for name, (version, mib) in sorted(report["wheels"].items(), key=lambda kv: -kv[1][1]):
         print(f"{mib:7.2f} MiB  {name}=={version}")
     print(f"{report['total_mib']} MiB in {len(report['wheels'])} wheels for Python "

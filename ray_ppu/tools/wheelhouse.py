@@ -48,18 +48,21 @@ def read_have(path: Path) -> set[str]:
     return names
 
 
-def requirements(dashboard: bool = True) -> list[str]:
-    """ray_ppu's runtime requirements, Ray and Megatron-Core pinned to what is installed;
-    ``dashboard`` False: Ray without its ``default`` extra (the dashboard and its agents:
-    opencensus, py-spy, virtualenv, ~15 MiB of wheels a benchmark machine does without)."""
+def requirements(dashboard: bool = True, extras: tuple = ()) -> list[str]:
+    """ray_ppu's runtime requirements and those of its ``extras`` (``tokenizers``: the Qwen2
+    vocabulary the benchmarks' corpora are tokenized with), Ray and Megatron-Core pinned to
+    what is installed; ``dashboard`` False: Ray without its ``default`` extra (the dashboard
+    and its agents: opencensus, py-spy, virtualenv, ~15 MiB a benchmark machine does without)."""
     wanted = []
     for req in metadata.requires("ray-ppu") or []:
-        if "extra ==" in req:
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", req)
+        if extra and extra.group(1) not in extras:
             continue
+        req = req.split(";")[0].strip()
         name = re.split(r"[=<>!~ \[;]", req, maxsplit=1)[0]
         if normalize(name) in PINNED:
-            extras = re.search(r"\[([^\]]*)\]", req)
-            kept = [e for e in (extras.group(1).split(",") if extras else [])
+            listed = re.search(r"\[([^\]]*)\]", req)
+            kept = [e for e in (listed.group(1).split(",") if listed else [])
                     if dashboard or e.strip() != "default"]
             req = f"{name}{'[' + ','.join(kept) + ']' if kept else ''}=={metadata.version(name)}"
         wanted.append(req)
@@ -148,10 +151,10 @@ def slim_ray(wheel: Path) -> Path:
 
 
 def build(out: Path, have: set[str], python: str = "3.12", slim: bool = True,
-          max_mib: float = 60.0, dashboard: bool = True) -> dict:
+          max_mib: float = 60.0, dashboard: bool = True, extras: tuple = ()) -> dict:
     """The wheelhouse in ``out``: wheels, ``requirements.txt``; a report of what it holds."""
     out.mkdir(parents=True, exist_ok=True)
-    wanted = requirements(dashboard)
+    wanted = requirements(dashboard, extras)
     resolved = resolve(wanted, python)
     missing = [(resolved[n]["name"], resolved[n]["version"])
                for n in needed(wanted, resolved, have, python)]
