@@ -54,13 +54,25 @@ def test_shipped_sft_config_follows_the_reference_sft_schedule():
     (["data.tokenizer=null"], "data.dataset=sft needs data.tokenizer"),
     (["data.valid_data_path=[]"], "SFT has no split"),
     (["data.packing=true"], "with data.packing rows are seq_length long"),
-    (["data.packing=true", "data.max_padding_length=null", "parallel.pipeline_model_parallel_size=4",
-      "cluster.num_workers=64"], "middle pipeline stages read no data"),
     (["training.train_tokens=1e9"], "SFT is scheduled in iterations"),
 ])
 def test_sft_settings_are_checked(extra, message):
     with pytest.raises(ConfigError, match=message):
         build_plan(load(REPO / "entrypoints" / "configs" / "qwen2.5-7b-sft.yaml", extra))
+
+
+def test_packed_rows_at_pp4_are_read_by_every_stage():
+    """Packed rows' sample boundaries are every chunk's business (its attention keeps the
+    samples apart), so with PP 4 the middle stages' first TP ranks read the data too."""
+    cfg = load(REPO / "entrypoints" / "configs" / "qwen2.5-7b-sft.yaml",
+               ["data.packing=true", "data.max_padding_length=null",
+                "parallel.pipeline_model_parallel_size=4", "cluster.num_workers=64"])
+    plan = build_plan(cfg)
+    assert plan.packed_sequences and plan.every_chunk_reads
+    readers = {rank for rank, _ in plan.dims.data_ranks()}
+    stages = {plan.dims.coordinates(rank)["pp"] for rank in readers}
+    assert stages == {0, 1, 2, 3}
+    assert all(plan.dims.coordinates(rank)["tp"] == 0 for rank in readers)
 
 
 def test_yaml_file_and_overrides(tmp_path):

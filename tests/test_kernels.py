@@ -225,6 +225,28 @@ def test_each_layout_ran_the_kernels_it_names(launched):
             assert kinds["reference"]["experts"] == "LayoutFreeSequentialMLP"
 
 
+def test_middle_pipeline_chunks_keep_packed_samples_apart(launched):
+    """PP 2 with 2 virtual stages: chunks that are neither the first nor the last read the
+    sample boundaries too; a packed row's per-token losses are its samples' padded alone."""
+    last = next(r for r in torch.load(launched / "pp2_vp2_packing.pt") if r["packed"] is not None)
+    lengths = last["lengths"]
+    packed = last["packed"][:2 * SEQ]  # the first microbatch (the second is the same)
+    padded = last["padded"].reshape(-1, SEQ)  # one row per sample
+    ours = torch.cat([padded[i, :n] for i, n in enumerate(lengths)])
+    assert torch.allclose(packed, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_grouped_experts_train_like_the_loop_at_expert_dp_2(launched):
+    """Three optimizer steps with the distributed optimizer and overlapped parameter gathers:
+    the grouped GEMM's experts see every rank's update (their linears' gather hooks run)."""
+    ranks = torch.load(launched / "expert_dp_training.pt")
+    for rank in ranks:
+        for ours, theirs in zip(rank["grouped"]["losses"], rank["loop"]["losses"]):
+            assert ours == pytest.approx(theirs, rel=1e-5)  # [loss sum, tokens]
+    for name, weight in ranks[0]["grouped"]["experts"].items():
+        assert torch.equal(weight, ranks[1]["grouped"]["experts"][name]), name
+
+
 # --------------------------------------------------------------------------- the device
 
 def _cuda() -> bool:
@@ -282,9 +304,29 @@ def _microbatch(packed: bool, vocab: int):
     return batch
 
 
+def _padded(packed: dict) -> list[dict]:
+    """The packed microbatch's samples one per row (padded to SEQ, loss on the sample's own
+    tokens), two rows a microbatch: the per-token losses packing must reproduce."""
+    rows = []
+    for r, bounds in enumerate(CU_SEQLENS):
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                row = {k: torch.zeros(SEQ, dtype=packed[k].dtype) for k in ("tokens", "labels")}
+                row["tokens"][:b - a] = packed["tokens"][r, a:b]
+                row["labels"][:b - a] = packed["labels"][r, a:b]
+                mask = torch.zeros(SEQ)
+                mask[:b - a] = 1.0
+                rows.append({**row, "loss_mask": mask, "position_ids": torch.arange(SEQ),
+                             "length": b - a})
+    return [{k: torch.stack([row[k] for row in rows[i:i + 2]]) if k != "length"
+             else [row[k] for row in rows[i:i + 2]] for k in rows[0]}
+            for i in range(0, len(rows), 2)]
+
+
 def _step(cfg, plan, chunks, batch, packed: str | None):
-    """One forward and backward through Megatron's schedule; this rank's per-token losses
-    (None off the last stage) and every parameter's gradient (its local shard)."""
+    """One forward and backward through Megatron's schedule over ``batch`` (a microbatch, or
+    a list of the plan's microbatches); this rank's per-token losses (None off the last
+    stage) and every parameter's gradient (its local shard)."""
     from functools import partial
 
     from megatron.core.distributed import finalize_model_grads
@@ -297,9 +339,11 @@ def _step(cfg, plan, chunks, batch, packed: str | None):
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = per_chunk(chunks, "no_sync")
     losses = []
+    schedule = make_schedule(plan, chunks, torch.device("cpu"), packed=packed)
+    ours = schedule.args[1]  # the schedule's own forward_step partial (device, packing, …)
 
     def step(batches, model):
-        output, loss_func = forward_step(batches, model, torch.device("cpu"), packed=packed)
+        output, loss_func = forward_step(batches, model, **ours.keywords)
 
         def keep(*args):
             out = loss_func(*args)
@@ -309,9 +353,8 @@ def _step(cfg, plan, chunks, batch, packed: str | None):
 
     for chunk in chunks:
         chunk.zero_grad_buffer()
-    schedule = make_schedule(plan, chunks, torch.device("cpu"), packed=packed)
     schedule = partial(schedule.func, schedule.args[0], step, *schedule.args[2:])
-    schedule(iter([batch]), forward_only=False)
+    schedule(iter(batch if isinstance(batch, list) else [batch]), forward_only=False)
     grads = {f"{i}.{name}": p.main_grad.clone() for i, chunk in enumerate(chunks)
              for name, p in chunk.named_parameters() if p.requires_grad}
     return (torch.cat([l.reshape(-1) for l in losses]) if losses else None), grads
@@ -382,6 +425,100 @@ def _run(jobs: dict) -> None:
                     torch.save(everything, out / f"{layout}_{rows}.pt")
         if dist.get_rank() == 0:
             (out / "kernels.json").write_text(json.dumps(used))
+        _interleaved_packing(base, out)
+        _expert_data_parallel_training(base, out)
+
+
+def _interleaved_packing(base: list, out: Path) -> None:
+    """PP 2 × 2 virtual stages (the middle chunks read the boundaries too): the packed
+    microbatch's per-token losses and those of its samples padded one per row."""
+    import torch.distributed as dist
+
+    from ray_ppu import devices
+    from ray_ppu.config.loader import load
+    from ray_ppu.model import parallel
+    from ray_ppu.model.gpt import build_model, packed_format
+    from ray_ppu.plan import build_plan
+
+    cfg = load(None, [*base, "parallel.pipeline_model_parallel_size=2", "model.num_layers=4",
+                      "parallel.num_layers_per_virtual_pipeline_stage=1", *TORCH,
+                      "training.global_batch_size=4"])  # 2 microbatches (interleaving's least)
+    plan = build_plan(cfg)
+    packed = _microbatch(True, 1000)
+    padded = _padded(packed)
+    result = {}
+    with devices.bound("cpu", 0):
+        parallel.initialize(plan, cfg.training.seed)
+        try:
+            chunks, _ = build_model(cfg, plan, "cpu")
+            result["packed"] = _step(cfg, plan, chunks, [packed, packed],
+                                     packed_format(cfg, plan, "cpu"))[0]
+            inputs = [{k: v for k, v in mb.items() if k != "length"} for mb in padded]
+            result["padded"] = _step(cfg, plan, chunks, inputs, None)[0]
+        finally:
+            parallel.destroy()
+    result["lengths"] = [n for mb in padded for n in mb["length"]]
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, result)
+    if dist.get_rank() == 0:
+        torch.save(everything, out / "pp2_vp2_packing.pt")
+
+
+def _expert_data_parallel_training(base: list, out: Path) -> None:
+    """tiny-moe at DP 2 (each expert on both ranks, its optimizer state split between them;
+    parameters all-gathered bucket by bucket in the next forward, overlap_param_gather, small
+    buckets): three optimizer steps with the grouped experts and with the loop of experts give
+    the same losses, and every rank holds the same expert weights after them."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from ray_ppu import devices
+    from ray_ppu.config.loader import load
+    from ray_ppu.model import parallel
+    from ray_ppu.model.gpt import build_model
+    from ray_ppu.model.optim import build_optimizer
+    from ray_ppu.plan import build_plan
+    from ray_ppu.train.loop import TrainState, _Window, train_step, wire_gradient_sync
+    from ray_ppu.train.schedule import make_schedule
+    from ray_ppu.util.wrappers import unwrap
+
+    result = {}
+    for side, experts in (("grouped", "true"), ("loop", "false")):
+        overrides = [o for o in base if not o.startswith("parallel.overlap")]
+        cfg = load(None, [*overrides, "model.preset=tiny-moe", "training.lr=1e-2",
+                          f"training.moe_grouped_gemm={experts}", "training.global_batch_size=4",
+                          "training.use_distributed_optimizer=true", "training.lr_warmup_iters=0",
+                          "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true",
+                          # buckets of ~1 layer: each module's gather waits in its own pre-hook
+                          "parallel.ddp_bucket_size=20000"])
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, train_iters=3))
+        plan = build_plan(cfg)
+        batch = {k: v for k, v in _microbatch(False, 1000).items()}
+        with devices.bound("cpu", 0):
+            parallel.initialize(plan, cfg.training.seed)
+            try:
+                model, _ = build_model(cfg, plan, "cpu")
+                optimizer, scheduler = build_optimizer(cfg, plan, model)
+                state = TrainState(plan, model, optimizer, scheduler, torch.device("cpu"))
+                wire_gradient_sync(model, optimizer)
+                schedule = make_schedule(plan, model, torch.device("cpu"))
+                losses = []
+                for _ in range(3):
+                    window = _Window(start=0.0)
+                    train_step(state, schedule, iter([batch] * plan.num_microbatches), window)
+                    losses.append(window.loss_sum.tolist())
+                for chunk in model:  # the gathers of the last step's updates
+                    chunk.start_param_sync(force_sync=True)
+                experts_now = {n: p.detach().clone() for n, p in
+                               unwrap(model[0]).named_parameters() if ".experts." in n}
+            finally:
+                parallel.destroy()
+        result[side] = {"losses": losses, "experts": experts_now}
+    everything = [None] * dist.get_world_size()
+    dist.all_gather_object(everything, result)
+    if dist.get_rank() == 0:
+        torch.save(everything, out / "expert_dp_training.pt")
 
 
 if __name__ == "__main__":

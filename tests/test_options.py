@@ -388,11 +388,11 @@ def test_memory_plan_against_megatrons_formula(preset, layers, tp, pp, workers):
 
 
 def test_auto_optimizer_offload_moves_just_enough_to_fit():
-    # 7B on 16 devices with full recompute: ~51 GiB, 5.3 GiB of it optimizer states (sharded)
+    # 7B on 16 devices with full recompute: ~54 GiB, 5.3 GiB of it optimizer states (sharded)
     base = ["model.preset=7B", "model.num_layers=28", "cluster.num_workers=16", "training.seq_length=4096",
             "training.global_batch_size=16", "cluster.device=auto", "memory.recompute=full",
             "memory.recompute_num_layers=1", "memory.optimizer_offload=auto"]
-    cfg, plan = cfg_plan(*base, "memory.device_memory_gib=53")
+    cfg, plan = cfg_plan(*base, "memory.device_memory_gib=57")
     fraction = offload_fraction(cfg, plan)
     fitted = memory_plan(cfg, plan)
     assert 0 < fraction < 1 and fitted.optimizer_offload_fraction == fraction and fitted.fits

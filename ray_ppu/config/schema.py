@@ -49,6 +49,9 @@ class ParallelConfig:
     """With the distributed optimizer: all-gather updated parameters bucket by bucket during the
     next forward pass instead of after the optimizer step (on in run_mcore_qwen.sh, as
     overlap_grad_reduce; no effect without the distributed optimizer)."""
+    ddp_bucket_size: Optional[int] = None
+    """Parameters per bucket of Megatron DDP's gradient reductions and parameter gathers
+    (Megatron-LM's --ddp-bucket-size); None = Megatron-Core's default, max(40 M, 1 M × DP). [≥ 1]"""
 
 
 @dataclass(frozen=True)

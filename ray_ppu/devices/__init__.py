@@ -63,3 +63,11 @@ def bound(backend: Backend, device_id: int) -> Iterator[None]:
 
         with cpu_mode():
             yield
+
+
+def kernel_failure_is_fatal(error: RuntimeError) -> bool:
+    """Whether a kernel's error is one no other kernel would avoid (out of memory, a broken
+    CUDA context): raised as it is, not answered by falling back to a slower kernel."""
+    text = str(error)
+    return (isinstance(error, torch.OutOfMemoryError) or "CUDA error" in text
+            or "illegal memory access" in text or "device-side assert" in text)

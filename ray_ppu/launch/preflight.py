@@ -332,7 +332,8 @@ def readers_per_node(cfg: RunConfig, ppus_per_node: float) -> int:
     c, p = cfg.cluster, cfg.parallel
     dims = ParallelDims(c.num_workers, p.tensor_model_parallel_size,
                         p.pipeline_model_parallel_size, p.context_parallel_size,
-                        every_stage_reads=cfg.model.mrope_section is not None)
+                        every_stage_reads=(cfg.model.mrope_section is not None
+                                           or (cfg.data.dataset == "sft" and cfg.data.packing)))
     fraction = len(list(dims.data_ranks())) / max(1, dims.world_size)
     workers = min(c.num_workers, int(ppus_per_node // c.ppu_per_worker) if c.ppu_per_worker
                   else c.num_workers)

@@ -37,6 +37,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from ray_ppu import devices
+
 # masks that mean "a query sees itself and the keys before it"
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -114,6 +116,9 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             return _varlen_attention(query, key, value, cu_seqlens, max_seqlen, causal, scale)
         except RuntimeError as error:  # a build without the kernel for this device or shape
             import logging
+
+            if devices.kernel_failure_is_fatal(error):
+                raise
 
             _VARLEN_REFUSED.append(str(error).splitlines()[0])
             logging.getLogger(__name__).warning(

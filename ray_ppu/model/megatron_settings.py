@@ -140,6 +140,7 @@ def ddp_settings(cfg: RunConfig) -> dict:
     return dict(
         grad_reduce_in_fp32=True,  # fp32 gradient buffers: 4 bytes per parameter (memory plan)
         use_distributed_optimizer=cfg.training.use_distributed_optimizer,
+        bucket_size=cfg.parallel.ddp_bucket_size,
         **overlap(cfg),
     )
 

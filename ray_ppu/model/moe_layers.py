@@ -35,6 +35,8 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
+from ray_ppu import devices
+
 
 class LocalTopKRouter(TopKRouter):
     """Megatron-Core's top-k router with its gate in torch: the logits in the routing dtype
@@ -112,10 +114,15 @@ class _GroupedLinear(torch.autograd.Function):
 def _weight_gradients(grad: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor):
     """``grad_eᵀ · x_e`` per expert [n, out, in]: one grouped GEMM over the token dimension;
     one GEMM per expert where the device's kernel refuses that form (said once)."""
+    if grad.shape[0] == 0:  # no token reached these experts: nothing to contract over
+        return torch.zeros(len(offsets), grad.shape[1], x.shape[1], dtype=grad.dtype,
+                           device=grad.device).unbind(0)
     if _GROUPED_WGRAD[0]:
         try:
             return torch._grouped_mm(grad.t(), x, offs=offsets).unbind(0)
         except RuntimeError as error:
+            if devices.kernel_failure_is_fatal(error):
+                raise
             import logging
 
             _GROUPED_WGRAD[0] = False
@@ -159,8 +166,10 @@ class GroupedLayoutFreeMLP(LayoutFreeSequentialMLP):
                 or getattr(config, "glu_linear_offset", 0.0)
                 or not grouped_gemm_usable(x.device, x.dtype)):
             return super().forward(x, tokens_per_expert, permuted_probs)
-        offsets = torch.cumsum(torch.as_tensor(tokens_per_expert), 0).to(
-            device=x.device, dtype=torch.int32)
+        self._run_linears_pre_hooks()
+        offsets = torch.cumsum(torch.as_tensor(tokens_per_expert), 0).to(torch.int32)
+        if x.is_cuda:  # a few ints from the dispatcher's host copy, without a stream sync
+            offsets = offsets.pin_memory().to(x.device, non_blocking=True)
         fc1 = [expert.linear_fc1.weight for expert in self.local_experts]
         fc2 = [expert.linear_fc2.weight for expert in self.local_experts]
         hidden = _GroupedLinear.apply(x, offsets, *fc1)
@@ -171,3 +180,16 @@ class GroupedLayoutFreeMLP(LayoutFreeSequentialMLP):
             hidden = config.activation_func(hidden)
         hidden = (hidden * permuted_probs.unsqueeze(-1)).to(x.dtype)
         return _GroupedLinear.apply(hidden, offsets, *fc2), None
+
+    def _run_linears_pre_hooks(self) -> None:
+        """Run what a call of each expert linear would run first: the grouped GEMM reads their
+        weights without calling them, and Megatron DDP's parameter all-gather (the
+        distributed optimizer with ``overlap_param_gather``) waits in those linears' forward
+        pre-hooks. Without this, expert shards other ranks updated would never be gathered."""
+        for expert in self.local_experts:
+            for linear in (expert.linear_fc1, expert.linear_fc2):
+                for key, hook in linear._forward_pre_hooks.items():
+                    if key in linear._forward_pre_hooks_with_kwargs:
+                        hook(linear, (), {})
+                    else:
+                        hook(linear, ())

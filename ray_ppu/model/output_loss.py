@@ -86,8 +86,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             sum_exp = shard.all_reduce(exp.sum(dim=-1))
             losses[rows] = torch.log(sum_exp) - picked
             lse[rows] = peak + torch.log(sum_exp)
-            if n <= chunk:  # the one chunk: softmax − one-hot kept for the backward pass
-                kept = _minus_one_hot(exp.div_(sum_exp[:, None]), column, inside)
+            if n <= chunk and any(ctx.needs_input_grad[:2]):  # the one chunk: kept for the
+                kept = _minus_one_hot(exp.div_(sum_exp[:, None]), column, inside)  # backward
         ctx.save_for_backward(hidden, weight, labels, lse, *([] if kept is None else [kept]))
         ctx.shard, ctx.chunk = shard, chunk
         return losses
@@ -106,7 +106,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             rows = slice(start, min(start + chunk, n))
             h = hidden[rows]
             if kept:
-                d_logits = kept[0].mul_(grad_losses[rows, None])  # used once: in place
+                d_logits = kept[0] * grad_losses[rows, None]
             else:  # recomputed, a chunk of fp32 logits at a time
                 column, inside = shard.targets(labels[rows])
                 probs = shard.logits(h, weight).sub_(lse[rows, None]).exp_()

@@ -28,7 +28,7 @@ import torch
 
 SCOPES = {  # category ← lower-case substrings of an enclosing scope or autograd node
     "attention": ("core_attention", "attention", "sdpa", "flash", "varlen", "fmha",
-                  "scaledmaskedsoftmax", "softmax"),
+                  "scaledmaskedsoftmax"),
     "loss": ("ray_ppu.loss", "chunkedcrossentropy", "crossentropy", "vocab_parallel"),
     "optimizer": ("ray_ppu.optimizer", "optimizer", "adam", "multi_tensor", "clip_grad"),
     "communication": ("nccl", "c10d::", "all_reduce", "allreduce", "all_gather", "allgather",
@@ -126,15 +126,20 @@ class StepProfiler:
             yield
         finally:
             if self._profiler is not None and done == self.first + self.count - 1:
-                self._finish()
+                self.finish()
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """Stop profiling and write the summary (of the iterations profiled so far, if the
+        loop ended before the last one); nothing when not profiling."""
+        if self._profiler is None:
+            return
         device = torch.cuda.is_available()
         if device:
             torch.cuda.synchronize()
         wall = time.perf_counter() - self._started
         self._profiler.__exit__(None, None, None)
-        summary = summarize(self._profiler.events(), wall, self.count, device)
+        profiled = sum(1 for e in self._profiler.events() if e.name == "ray_ppu.optimizer")
+        summary = summarize(self._profiler.events(), wall, max(1, profiled), device)
         self._profiler = None
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "profile.json").write_text(json.dumps(summary, indent=2))

@@ -63,6 +63,13 @@ class Plan:
     positions_in_data: bool = False
 
     @property
+    def every_chunk_reads(self) -> bool:
+        """Every model chunk's attention needs what comes with the data: M-RoPE's positions,
+        or packed rows' sample boundaries; so every pipeline stage (and, interleaved, every
+        virtual stage) reads the microbatch, not only the first and the last."""
+        return self.positions_in_data or self.packed_sequences
+
+    @property
     def dims(self) -> ParallelDims:
         return ParallelDims(
             self.world_size,
@@ -71,7 +78,7 @@ class Plan:
             self.context_parallel_size,
             self.expert_model_parallel_size,
             self.expert_tensor_parallel_size,
-            every_stage_reads=self.positions_in_data,
+            every_stage_reads=self.every_chunk_reads,
         )
 
     def to_dict(self) -> dict:

@@ -25,7 +25,7 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     etp: int = 1
-    every_stage_reads: bool = False  # M-RoPE: every pipeline stage needs the data's positions
+    every_stage_reads: bool = False  # M-RoPE positions, packed boundaries: every stage needs them
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp"):
@@ -65,8 +65,9 @@ class ParallelDims:
 
         As in Megatron: the first TP rank of the first pipeline stage (tokens, positions) and of
         the last stage (labels, loss mask), for every DP and CP rank; it broadcasts the batch to
-        the rest of its TP group. Middle pipeline stages read nothing, but for M-RoPE
-        (``every_stage_reads``), whose positions every stage's attention needs.
+        the rest of its TP group. Middle pipeline stages read nothing, but for M-RoPE's
+        positions and packed rows' sample boundaries (``every_stage_reads``), which every
+        stage's attention needs.
         """
         for rank in range(self.world_size):
             c = self.coordinates(rank)

@@ -192,12 +192,32 @@ def _loss_bytes(cfg: RunConfig, plan, kernels: Kernels, layer_input: float) -> f
     norm = layer_input * (1 if kernels.attention == "te" else 2)
     logits = tokens * plan.padded_vocab_size / plan.tensor_model_parallel_size * 4  # fp32
     if kernels.loss == "chunked":
+        e, h = _element_bytes(cfg), cfg.model.hidden_size
         vocab = plan.padded_vocab_size // plan.tensor_model_parallel_size
-        # a microbatch within one chunk keeps its softmax instead of recomputing it
+        # a microbatch within one chunk keeps its softmax instead of recomputing it; over
+        # several, the backward pass sums the output weight's gradient in fp32 (plus one
+        # chunk's product and the final cast) while every activation is still held
         single = tokens <= chunk_tokens(vocab, cfg.training.cross_entropy_chunk_tokens)
-        return (norm + tokens * cfg.model.hidden_size * _element_bytes(cfg) + tokens * 4
-                + (logits if single else 0.0))
+        return norm + tokens * h * e + tokens * 4 + (logits if single else 0.0)
     return norm + layer_input + logits
+
+
+def loss_backward_bytes(cfg: RunConfig, plan, kernels: Kernels) -> float:
+    """What the chunked loss's backward pass holds besides the activations, when the
+    microbatch spans several chunks and the output weight trains: its gradient summed in fp32,
+    one chunk's product and the final cast (V'/TP × h × (4 + 2e)), while every activation of
+    the stage is still held. Megatron's loss holds the logits' gradient then instead, counted
+    in its activations."""
+    if kernels.loss != "chunked":
+        return 0.0
+    e, h = _element_bytes(cfg), cfg.model.hidden_size
+    vocab = plan.padded_vocab_size // plan.tensor_model_parallel_size
+    tokens = plan.seq_length / plan.context_parallel_size * plan.micro_batch_size
+    lora = cfg.lora
+    trains = not lora.enabled or bool({"output_layer", "embedding"} & set(lora.trainable))
+    if tokens <= chunk_tokens(vocab, cfg.training.cross_entropy_chunk_tokens) or not trains:
+        return 0.0
+    return vocab * h * (4 + 2 * e)
 
 
 def memory_plan(cfg: RunConfig, plan, kernels: Optional[Kernels] = None,
@@ -240,6 +260,8 @@ def memory_plan(cfg: RunConfig, plan, kernels: Optional[Kernels] = None,
         optimizer = ((trainable - experts) / shards + experts / expert_shards) * optimizer_per_param
         snapshot = trainable * param_bytes + optimizer  # weights + main copies and Adam's shard
         activations = per_chunk * in_flight + unit
+        if stage in ("last", "only"):  # transient, at the activations' peak
+            activations += loss_backward_bytes(cfg, plan, kernels)
         total = params * param_bytes + trainable * 4 + optimizer * (1 - offload) + activations
         candidate = MemoryPlan(
             accelerator=cfg.cluster.accelerator,

@@ -329,10 +329,6 @@ def _sft_problems(cfg: RunConfig) -> list[str]:
     if t.eval_iters and not d.valid_data_path:
         problems.append(f"eval_iters {t.eval_iters} asks for validation: set "
                         f"data.valid_data_path (SFT has no split) or training.eval_iters=0")
-    if d.packing and cfg.parallel.pipeline_model_parallel_size > 2:
-        problems.append(f"data.packing with PP {cfg.parallel.pipeline_model_parallel_size}: "
-                        f"middle pipeline stages read no data, so they cannot build the "
-                        f"per-sample attention mask; use PP ≤ 2")
     if d.packing and cfg.parallel.context_parallel_size > 1:
         problems.append(f"data.packing with CP {cfg.parallel.context_parallel_size}: packed rows "
                         f"are not split across context-parallel ranks; use CP 1")

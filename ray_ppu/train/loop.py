@@ -127,6 +127,19 @@ def train(state: TrainState, batches: Optional[Iterator[Microbatch]], hooks: Hoo
         packed = "mask"
     schedule = make_schedule(plan, state.model, state.device, packed, state.images)
     timed = TimedIterator(batches) if batches is not None else None
+    try:
+        return _iterations(state, hooks, schedule, timed, valid_batches, start_iteration,
+                           log_interval, save_interval, profiler)
+    finally:
+        if profiler is not None:  # a run that ended before the last profiled iteration
+            profiler.finish()
+
+
+def _iterations(state: TrainState, hooks: Hooks, schedule, timed, valid_batches,
+                start_iteration: int, log_interval: int, save_interval: Optional[int],
+                profiler) -> dict:
+    """The loop of :func:`train` from ``start_iteration``: steps, rows, validation, saves."""
+    plan = state.plan
     window = _Window(start=time.perf_counter())
     run_start = window.start
     # What a run resumed at its very end (nothing left to train) reports.

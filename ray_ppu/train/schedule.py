@@ -39,8 +39,9 @@ def sum_reports(reports: list, total: Optional[torch.Tensor]) -> Optional[torch.
 
 class _Shared:
     """One global batch's microbatches read by several model chunks of an interleaved
-    pipeline (M-RoPE: every chunk needs the positions), each chunk taking them in order: the
-    first chunk to ask for microbatch k reads it, the others get the same one."""
+    pipeline (M-RoPE's positions, packed rows' boundaries: every chunk needs them), each chunk
+    taking them in order: the first chunk to ask for microbatch k reads it, the others get the
+    same one."""
 
     def __init__(self, batches) -> None:
         self.batches, self.read = batches, []
@@ -60,10 +61,11 @@ def _schedule(forward_backward, step, model: list, plan: Plan, flattened: bool, 
     mbs, seq = ((1, plan.micro_batch_size * plan.seq_length) if flattened
                 else (plan.micro_batch_size, plan.seq_length))
     # interleaved pipelines take one iterator per virtual stage; only the first and last
-    # chunks pull from it, but with M-RoPE every chunk does (a view each of the shared batch)
+    # chunks pull from it, but with M-RoPE or packed rows every chunk does (a view each of the
+    # shared batch)
     iterators = batches
     if len(model) > 1:
-        shared = _Shared(batches) if plan.positions_in_data and batches is not None else None
+        shared = _Shared(batches) if plan.every_chunk_reads and batches is not None else None
         iterators = [shared.view() if shared else batches for _ in model]
     return forward_backward(
         forward_step_func=step,
@@ -83,7 +85,7 @@ def make_schedule(plan: Plan, model: list, device: torch.device, packed: Optiona
     function (picked for the parallel state), with :func:`forward_step`; returns loss reports.
     ``images``: a vision-language model's ImageSpec (its microbatches carry images)."""
     step = partial(forward_step, device=device, packed=packed, images=images,
-                   every_chunk=plan.positions_in_data)
+                   every_chunk=plan.every_chunk_reads)
     return partial(_schedule, get_forward_backward_func(), step, model, plan, packed == "thd")
 
 

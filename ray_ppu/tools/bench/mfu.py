@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[3]
 FILL = 0.8  # the share of the device the memory plan may fill (the plan is ±10 %)
 PROFILED = 2  # the last iterations, under the profiler (left out of the step times)
 
-_COMMON = ["training.precision=bf16", "training.attention_backend=auto",
+_COMMON = ["training.precision=bf16", "training.attention_backend=sdpa",
            "training.lr=1e-4", "training.min_lr=1e-5", "training.lr_warmup_iters=2",
            "training.log_interval=1", "training.eval_iters=0", "checkpoint.enabled=false",
            "output.tensorboard=false", "output.report=false", "output.ray_metrics=false",
@@ -103,6 +103,18 @@ def _placeholders(name: str) -> list[str]:
             *base]
 
 
+def _release_device() -> None:
+    """Give what this process's allocator caches back to the device (the runs are other
+    processes, sized by the plan to 80 % of it)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def matmul_tflops(size: int = 8192, repeats: int = 20) -> float:
     """A bf16 ``size``³ matmul's rate on this device, on random data (the achievable peak)."""
     import torch
@@ -135,6 +147,11 @@ def _data(name: str, work: Path, corpus: str) -> list[str]:
 
 
 def _launch(name: str, overrides: list[str], run: Path, timeout: float) -> None:
+    """The case's run in a process session of its own: past ``timeout`` the whole session
+    (torchrun's worker, Ray's processes) is ended, so the next case finds the device free."""
+    import os
+    import signal
+
     launch = CASES[name][0]
     if launch == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
@@ -143,11 +160,22 @@ def _launch(name: str, overrides: list[str], run: Path, timeout: float) -> None:
         (run / "case.yaml").write_text("{}\n")
         cmd = [sys.executable, str(REPO / "entrypoints" / "pretrain.py"), "--config",
                str(run / "case.yaml")]
-    proc = subprocess.run([*cmd, *overrides, f"output.dir={run}"], capture_output=True,
-                          text=True, timeout=timeout)
-    (run / "stderr.txt").write_text(proc.stderr[-200_000:])
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-1500:]}")
+    with open(run / "stderr.txt", "w") as err:
+        proc = subprocess.Popen([*cmd, *overrides, f"output.dir={run}"], stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=grace)
+                    break
+                except (subprocess.TimeoutExpired, ProcessLookupError):
+                    continue
+            code = f"timed out after {timeout:.0f} s"
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {(run / 'stderr.txt').read_text()[-1500:]}")
 
 
 def run_case(name: str, work: Path, corpus: str, iters: int, accelerator: str,
@@ -172,12 +200,15 @@ def run_case(name: str, work: Path, corpus: str, iters: int, accelerator: str,
         device = "cpu" if "cluster.device=cpu" in shrink else "cuda"
         base = qwen_vl.random_base(work / "qwen_vl" / f"base_{layers}", extra, device)
         extra.append(f"checkpoint.pretrained={base}")
+        _release_device()  # the base was built on the device: its memory back to the run
     run = work / name
     run.mkdir(parents=True, exist_ok=True)
     overrides_all = [*extra, *_data(name, work, corpus)]
     started = time.perf_counter()
     _launch(name, overrides_all, run, timeout)
     rows = [r for r in metrics_rows(run) if "lm_loss" in r]
+    if not rows:
+        raise RuntimeError(f"the run logged no training row (see {run / 'stderr.txt'})")
     # steady iterations: after the first two (caches, autotuning), before the profiled ones
     steady = [r for r in rows if 2 < r["iteration"] <= iters - PROFILED] or rows
     step = sum(r["step_time_s"] for r in steady) / len(steady)
@@ -212,10 +243,15 @@ def device(work: Path, corpus: str, iters: int, timeout: float,
     from ray_ppu.devices.specs import accelerator_of
     from ray_ppu.monitor.step_profile import table
 
+    if iters < PROFILED + 4:
+        raise SystemExit(f"--iters {iters}: --part mfu needs at least {PROFILED + 4} (2 to warm "
+                         f"up, 2 timed, {PROFILED} profiled)")
     accelerator = accelerator_of(torch.cuda.get_device_name(0))
     matmul = matmul_tflops()
+    _release_device()
     print(f"bf16 8192³ matmul: {matmul:.0f} TFLOP/s ({accelerator})", flush=True)
     results: dict = {"matmul_tflops": matmul, "accelerator": accelerator}
+    work.mkdir(parents=True, exist_ok=True)
     for name in only or list(CASES):
         try:
             figures = run_case(name, work, corpus, iters, accelerator, matmul, timeout)
@@ -225,6 +261,8 @@ def device(work: Path, corpus: str, iters: int, timeout: float,
         print(_line(name, figures), flush=True)
         if figures.get("profile"):
             print(table(figures["profile"]), flush=True)
+        # after every case: a call cut short still brings back what ran
+        (work / "mfu.json").write_text(json.dumps(results, indent=2, default=str))
     print("\nmodel    layers  ms/step  TFLOP/s  MFU sheet  MFU matmul  peak GiB  plan GiB")
     for name in only or list(CASES):
         f = results[name]
