@@ -59,6 +59,12 @@ class _Shard:
         return local.clamp(0, self.rows - 1), inside
 
 
+def _gemm_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the loss's GEMMs take it: as it is, but fp16 on the CPU goes as fp32 (the CPU
+    has no fast fp16 GEMM: 1.3 s for one of the demo's output-layer GEMMs, 12 ms in fp32)."""
+    return t.float() if t.device.type == "cpu" and t.dtype == torch.float16 else t
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token ``-log softmax(h·Wᵀ)[label]`` over the TP-split vocabulary, a chunk of rows of
     ``hidden [n, h]`` at a time; ``weight [V'/TP, h]``, ``labels [n]``; ``[n]`` fp32 out.
@@ -73,10 +79,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(losses)
         kept = None
+        operand = _gemm_operand(weight)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             # in place over one chunk's fp32 logits: shifted by the row max, exponentiated
-            logits = shard.logits(hidden[rows], weight)
+            logits = shard.logits(_gemm_operand(hidden[rows]), operand)
             peak = shard.all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX)
             shifted = logits.sub_(peak[:, None])
             column, inside = shard.targets(labels[rows])
@@ -98,22 +105,23 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         shard, chunk = ctx.shard, ctx.chunk
         want_hidden, want_weight = ctx.needs_input_grad[:2]
         n = hidden.shape[0]
+        operand = _gemm_operand(weight)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = None
         if want_weight and n > chunk:  # summed over the chunks in fp32, rounded once at the end
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
-            h = hidden[rows]
+            h = _gemm_operand(hidden[rows])
             if kept:
                 d_logits = kept[0] * grad_losses[rows, None]
             else:  # recomputed, a chunk of fp32 logits at a time
                 column, inside = shard.targets(labels[rows])
-                probs = shard.logits(h, weight).sub_(lse[rows, None]).exp_()
+                probs = shard.logits(h, operand).sub_(lse[rows, None]).exp_()
                 d_logits = _minus_one_hot(probs, column, inside).mul_(grad_losses[rows, None])
-            d_logits = d_logits.to(weight.dtype)
+            d_logits = d_logits.to(operand.dtype)
             if want_hidden:  # this shard's part; Megatron's mapping sums the TP ranks' parts
-                grad_hidden[rows] = d_logits @ weight
+                grad_hidden[rows] = d_logits @ operand
             if want_weight and grad_weight is None:
                 grad_weight = d_logits.t() @ h  # the one chunk
             elif want_weight:
