@@ -358,3 +358,61 @@ def test_help_config_lists_every_field_with_type_default_and_docstring():
     bad = subprocess.run([sys.executable, str(script), "--help-config", "trainig"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "no such section (sections: model, parallel" in bad.stderr
+
+
+@pytest.mark.parametrize("style, warmup, decay", [
+    ("cosine", 5, None), ("cosine", 0, 30), ("linear", 3, 20), ("constant", 4, None)])
+def test_the_summarys_learning_rates_are_megatrons_scheduler(style, warmup, decay):
+    """The learning rate the summary states for an iteration is the one Megatron-Core's
+    OptimizerParamScheduler (as ray_ppu.model.optim builds it) sets for it, at every
+    iteration, the decay's end and the min_lr tail included."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ray_ppu.plan.derived import lr_at
+
+    extra = [f"training.lr_decay_style={style}", f"training.lr_warmup_iters={warmup}",
+             *([f"training.lr_decay_iters={decay}"] if decay else [])]
+    cfg = load(None, ["data.data_path=[corpus]", "training.train_iters=40", "training.lr=3e-3",
+                      "training.min_lr=1e-4", *extra])
+    plan = build_plan(cfg)
+    gbs = plan.global_batch_size
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    t = cfg.training
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=warmup * gbs, lr_decay_steps=plan.lr_decay_iters * gbs,
+        lr_decay_style=style, start_wd=0.0, end_wd=0.0, wd_incr_steps=40 * gbs,
+        wd_incr_style="constant")
+    for iteration in range(1, 41):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(cfg, plan, iteration),
+                                                                abs=1e-12), iteration
+        scheduler.step(increment=gbs)
+
+
+def test_a_decay_that_ends_early_at_min_lr_0_is_named():
+    """lr_decay_iters is where the decay ends (Megatron's meaning): iterations after it train
+    at min_lr, and at min_lr 0 the plan says which ones train at lr 0."""
+    from ray_ppu.plan.derived import lr_at, schedule_notes
+
+    base = ["data.data_path=[corpus]", "training.train_iters=35", "training.lr_warmup_iters=1",
+            "training.min_lr=0"]
+    early = load(None, [*base, "training.lr_decay_iters=34"])
+    plan = build_plan(early)
+    assert lr_at(early, plan, 35) == 0.0 < lr_at(early, plan, 34)
+    assert schedule_notes(early, plan) == [
+        "iterations 35..35 train at lr 0: the decay reaches min_lr 0 at iteration 34 "
+        "(training.lr_decay_iters) and training goes on to 35"]
+    full = load(None, base)  # pretraining: the decay ends with the training
+    assert schedule_notes(full, build_plan(full)) == []
+    assert lr_at(full, build_plan(full), 35) > 0
+
+
+def test_the_shipped_qwen_vl_lora_config_never_trains_at_lr_0():
+    from ray_ppu.plan.derived import lr_at, schedule_notes
+
+    cfg = load(REPO / "entrypoints" / "configs" / "qwen2.5-vl-7b-lora.yaml",
+               ["checkpoint.pretrained=null", "checkpoint.load=base", "data.tokenizer=tok"])
+    plan = build_plan(cfg)
+    assert cfg.training.min_lr == 0 and schedule_notes(cfg, plan) == []
+    assert all(lr_at(cfg, plan, i) > 0 for i in range(2, plan.train_iters + 1))

@@ -661,6 +661,31 @@ torchrun $LAUNCHER finetune.py \\
     return script
 
 
+def test_hf_trainer_migration_trains_the_trainers_learning_rates(tmp_path):
+    """At every step the migrated run's learning rate is the one transformers' cosine schedule
+    with warmup gives the Trainer's step (the last one too: above 0, as the Trainer's is)."""
+    import torch
+    from transformers import get_cosine_schedule_with_warmup
+
+    from ray_ppu.plan import build_plan
+    from ray_ppu.plan.derived import lr_at
+
+    out = tmp_path / "run.yaml"
+    proc = cli("--script", str(trainer_script(tmp_path, qwen_vl_directory(tmp_path))),
+               "--output", str(out))
+    assert proc.returncode == 0, proc.stderr
+    cfg = load(out, [])
+    plan = build_plan(cfg)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.training.lr)
+    theirs = get_cosine_schedule_with_warmup(optimizer, plan.lr_warmup_iters, plan.train_iters)
+    for iteration in range(1, plan.train_iters + 1):  # the Trainer's step iteration - 1
+        assert lr_at(cfg, plan, iteration) == pytest.approx(theirs.get_last_lr()[0],
+                                                            rel=1e-9, abs=1e-15), iteration
+        optimizer.step()
+        theirs.step()
+    assert lr_at(cfg, plan, plan.train_iters) > 0
+
+
 def qwen_vl_directory(tmp_path):
     """A Qwen2.5-VL-7B-Instruct directory as far as the config check reads it (config.json)."""
     from ray_ppu.hf.qwen_vl import qwen_vl_to_hf
@@ -687,7 +712,7 @@ def test_hf_trainer_lora_launch_maps_the_seed_setting(tmp_path):
     assert tree["model"]["preset"] == "qwen2.5-vl-7B"
     assert tree["checkpoint"]["pretrained"] == str(model) == tree["data"]["tokenizer"]
     assert (t["micro_batch_size"], t["global_batch_size"], t["seq_length"]) == (2, 128, 2048)
-    assert (t["train_iters"], t["lr_warmup_iters"], t["lr_decay_iters"]) == (40, 1, 39)
+    assert (t["train_iters"], t["lr_warmup_iters"], t["lr_decay_iters"]) == (40, 1, 40)
     assert (t["lr"], t["min_lr"], t["weight_decay"], t["adam_beta2"]) == (1e-5, 0.0, 0.1, 0.95)
     assert t["lr_decay_style"] == "cosine" and t["precision"] == "bf16"
     assert t["use_distributed_optimizer"] is True and t["eval_iters"] == 0

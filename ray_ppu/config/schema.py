@@ -76,10 +76,12 @@ class TrainingConfig:
     lr_warmup_iters: Optional[int] = None
     """Linear warmup in iterations; None = none (0), unless lr_warmup_tokens is set. [≥ 0]"""
     lr_decay_iters: Optional[int] = None
-    """Iterations of decay after warmup; None = train_iters (pretraining; SFT: train_iters −
-    warmup), as the reference does. Set this or lr_decay_tokens. [≥ 1]"""
+    """The iteration the decay reaches min_lr at, counted from the start with the warmup
+    (Megatron-LM's --lr-decay-iters); later iterations train at min_lr. None = train_iters
+    (pretraining; SFT: train_iters − warmup, as the reference's SFT script passes it). Set
+    this or lr_decay_tokens. [≥ 1]"""
     lr_decay_tokens: Optional[int] = None
-    """Decay length in tokens (pretraining); converted like train_tokens. [≥ 1]"""
+    """Where the decay ends, in tokens (pretraining); converted like train_tokens. [≥ 1]"""
     lr: float = 1e-5
     """Peak learning rate. [≥ 0]"""
     min_lr: float = 1e-6

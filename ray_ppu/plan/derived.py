@@ -4,6 +4,8 @@ gives a placeholder (None or 0), so the rules can report every problem in one me
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 from ray_ppu.config.schema import RunConfig
@@ -83,3 +85,33 @@ def rounded_to_zero(cfg: RunConfig) -> list[str]:
             f"tokens = global_batch_size {t.global_batch_size} × {row_length(cfg)}): "
             f"{iters} = 0" for name, iters in TOKEN_FORMS.items()
             if getattr(t, name) and getattr(t, name) < per_iteration]
+
+
+def lr_at(cfg: RunConfig, plan, iteration: int) -> float:
+    """The learning rate iteration ``iteration`` (counted from 1) trains with: Megatron-Core's
+    OptimizerParamScheduler as ``ray_ppu.model.optim`` builds it (linear warmup from 0, then
+    the decay style down to min_lr at ``lr_decay_iters``, min_lr after), which the step before
+    an iteration sets."""
+    t = cfg.training
+    done, warmup, decay = iteration - 1, plan.lr_warmup_iters, plan.lr_decay_iters
+    if warmup and done <= warmup:
+        return t.lr * done / warmup
+    if t.lr_decay_style == "constant":
+        return t.lr
+    if done > decay:
+        return t.min_lr
+    ratio = (done - warmup) / max(1, decay - warmup)
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if t.lr_decay_style == "cosine" else 1 - ratio
+    return t.min_lr + coeff * (t.lr - t.min_lr)
+
+
+def schedule_notes(cfg: RunConfig, plan) -> list[str]:
+    """Iterations that train at a learning rate of 0 after the decay (min_lr 0 and a decay
+    that ends before the training does), one line; none otherwise."""
+    t = cfg.training
+    if t.min_lr or t.lr_decay_style == "constant" or plan.lr_decay_iters >= plan.train_iters:
+        return []
+    first = plan.lr_decay_iters + 1  # the decay's end sets the rate of the iteration after it
+    return [f"iterations {first}..{plan.train_iters} train at lr 0: the decay reaches "
+            f"min_lr 0 at iteration {plan.lr_decay_iters} (training.lr_decay_iters) and "
+            f"training goes on to {plan.train_iters}"]

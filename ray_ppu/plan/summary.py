@@ -7,7 +7,8 @@ one device.
 from __future__ import annotations
 
 from ray_ppu.config.schema import RunConfig
-from ray_ppu.plan.derived import rounded_to_zero, tokens_per_iteration
+from ray_ppu.plan.derived import (lr_at, rounded_to_zero, schedule_notes,
+                                  tokens_per_iteration)
 from ray_ppu.plan.kernels import choose, planned
 from ray_ppu.plan.memory import HEADROOM, MemoryPlan
 from ray_ppu.plan.vision import component_parameters
@@ -19,7 +20,8 @@ def summary_lines(cfg: RunConfig, plan, memory: MemoryPlan) -> list[str]:
                    f"{plan.eval_iters} × {plan.global_batch_size} samples per pass, "
                    f"{plan.valid_samples} in all"] if plan.eval_iters else [])
     return ([_layout(plan), _batch(cfg, plan), _schedule(cfg, plan)]
-            + [f"note: {line}" for line in rounded_to_zero(cfg)] + validation
+            + [f"note: {line}" for line in rounded_to_zero(cfg) + schedule_notes(cfg, plan)]
+            + validation
             + [_model(plan)] + _vision(cfg, plan) + _lora(cfg, plan) + [_kernels(cfg)]
             + [_memory(memory)])
 
@@ -48,8 +50,12 @@ def _schedule(cfg: RunConfig, plan) -> str:
     t = cfg.training
     how = (f"train_tokens {t.train_tokens:,} / {tokens_per_iteration(cfg):,}"
            if t.train_tokens is not None else "train_iters")
+    decay = ("constant lr" if t.lr_decay_style == "constant" else
+             f"{t.lr_decay_style} decay to min_lr {t.min_lr:g} at iteration {plan.lr_decay_iters}")
+    last = plan.train_iters
     return (f"schedule: {plan.train_iters} iterations ({how}), warmup {plan.lr_warmup_iters}, "
-            f"{t.lr_decay_style} decay over {plan.lr_decay_iters}, lr {t.lr:g} → {t.min_lr:g}")
+            f"{decay}; lr {t.lr:g} at its peak, {lr_at(cfg, plan, 1):.3g} at iteration 1 and "
+            f"{lr_at(cfg, plan, last):.3g} at iteration {last}")
 
 
 def _model(plan) -> str:

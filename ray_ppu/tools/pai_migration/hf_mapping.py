@@ -168,8 +168,9 @@ def map_schedule(o: Options, m: Migration, world: int, mbs: int, steps: int) -> 
         m.note(f"--lr_scheduler_type {kind}: ray_ppu decays cosine, linear or constant; "
                f"training.lr_decay_style=cosine")
     m.set("training.lr_decay_style", style, o.label("lr_scheduler_type"))
-    m.set("training.lr_decay_iters", max(total - warmup, 1), o.label("lr_scheduler_type"),
-          f"the Trainer decays over the {total} - {warmup} steps after warmup")
+    m.set("training.lr_decay_iters", total, o.label("lr_scheduler_type"),
+          f"the Trainer's decay reaches 0 at step {total}, after its {total} - {warmup} "
+          f"steps of decay (the last step trains at a rate above 0)")
     m.set("training.lr", o.number("learning_rate"), o.label("learning_rate"))
     m.set("training.min_lr", 0.0, o.label("lr_scheduler_type"), "the Trainer's decay ends at 0")
     for ours, theirs in (("weight_decay", "weight_decay"), ("adam_beta1", "adam_beta1"),

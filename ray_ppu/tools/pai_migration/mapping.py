@@ -119,7 +119,8 @@ def map_schedule(a: Arguments, m: Migration, sft: bool) -> tuple[int, int]:
         m.set("training.lr_warmup_iters", warmup, warmup_label,
               f"SFT: LR_WARMUP_ITERS = {warmup_label}")
         m.set("training.lr_decay_iters", train - warmup, f"{train_label}, {warmup_label}",
-              f"$(( TRAIN_ITERS {train} - LR_WARMUP_ITERS {warmup} ))")
+              f"$(( TRAIN_ITERS {train} - LR_WARMUP_ITERS {warmup} )): Megatron's "
+              f"--lr-decay-iters, the iteration the decay ends at")
         return train, warmup
     gbs, seq = a.integer("GLOBAL_BATCH_SIZE"), a.integer("SEQ_LEN")
     train_iters = train // gbs // seq  # bash $(( )): integer division, left to right
