@@ -82,7 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     to_hf.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
                        help="tensor dtype (default: as stored)")
     to_hf.add_argument("--tokenizer", help="directory whose tokenizer files are copied "
-                                           "(default: the source Hugging Face directory)")
+                                           "(default: those the checkpoint carries, else the "
+                                           "source Hugging Face directory's)")
+    to_hf.add_argument("--base", metavar="DIR",
+                       help="with --merge: where the LoRA run's base is now, if it moved "
+                            "(checked against the fingerprint the checkpoint recorded)")
     to_hf.add_argument("--max-shard-size", type=size_bytes, default="5GB",
                        help="largest safetensors shard (default 5GB, as upstream)")
     to_hf.add_argument("--merge", action="store_true",
@@ -105,10 +109,11 @@ def _to_hf(args: argparse.Namespace) -> dict:
         if not args.merge:
             return export_peft(source.path, args.out)
         return export_merged(source.path, args.out, args.dtype, args.tokenizer,
-                             args.max_shard_size)
-    if args.merge:
-        raise ConfigError(f"--merge: {source.path} is no LoRA run's checkpoint (nothing to "
-                          f"merge; drop --merge)")
+                             args.max_shard_size, base_at=args.base)
+    if args.merge or args.base:
+        flag = "--merge" if args.merge else "--base"
+        raise ConfigError(f"{flag}: {source.path} is no LoRA run's checkpoint (nothing to "
+                          f"merge; drop {flag})")
     summary = export(args.checkpoint, args.out, args.dtype, args.tokenizer, args.max_shard_size)
     if not summary["tokenizer"]:
         print("note: no tokenizer files copied (pass --tokenizer DIR)", file=sys.stderr)

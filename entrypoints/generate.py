@@ -1,17 +1,23 @@
-"""Greedy-decode a prompt from a checkpoint: the quick look users take after training.
+"""Continue a prompt from a checkpoint: the quick look users take after training.
 
-    python entrypoints/generate.py --checkpoint /ckpt/Qwen2.5-0.5B --prompt "def fib(n):"
-    python entrypoints/generate.py --checkpoint outputs/run/ray_train/run --prompt "Hello" \\
-        --max-new-tokens 64 --dump-logits logits.json
+    python entrypoints/generate.py --checkpoint outputs/run/ray_train/run --prompt "Hello"
+    python entrypoints/generate.py --checkpoint /ckpt/Qwen2.5-0.5B --raw --prompt "def fib(n):"
+    python entrypoints/generate.py --checkpoint RUN --image a.png --prompt "What colour is it?"
+    python entrypoints/generate.py --checkpoint RUN --prompts prompts.jsonl --temperature 0.7 \\
+        --top-p 0.9 --seed 1
     torchrun --nproc-per-node 8 entrypoints/generate.py --checkpoint … --tp 8 --prompt …
 
 --checkpoint is a Hugging Face directory (config.json + safetensors) or a ray_ppu checkpoint
-(or a directory of them: the latest complete one); a LoRA run's checkpoint is applied to the
-base it names. --lora DIR applies a Hugging Face PEFT adapter to the checkpoint. The tokenizer is --tokenizer, else the
-Hugging Face directory (for a ray_ppu checkpoint: the one its run started from); --token-ids
-skips tokenizing. --dump-logits writes the prompt's logits (every position, the real
-vocabulary, fp32) as JSON, to compare with another framework's. Under torchrun the model is
-split --tp × --pp ways (other ranks are DP replicas); rank 0 prints.
+(or a directory of them: the latest complete one). A checkpoint carries its tokenizer, chat
+template and image processor; a LoRA run's checkpoint is applied to the base its meta names
+(--base DIR: where that base is now, checked by fingerprint). --lora DIR applies a Hugging
+Face PEFT adapter. A prompt is the user turn of the chat template where the tokenizer has one
+(--raw: continue the plain text). Greedy unless --temperature > 0. --prompts FILE: one JSON
+object per line, {"prompt": text} or {"token_ids": [...]}, with "images": [paths] for a
+vision-language model. One JSON line per prompt on stdout. --dump-logits writes the (first)
+prompt's logits (every position, the real vocabulary, fp32) as JSON, to compare with another
+framework's. Under torchrun the model is split --tp × --pp ways (other ranks are DP
+replicas); rank 0 prints.
 
 No KV cache: every new token runs the whole sequence again. A sanity check, not a server.
 """
@@ -24,7 +30,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -39,13 +44,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True,
                         help="Hugging Face directory or ray_ppu checkpoint (directory)")
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text to continue")
+    prompt.add_argument("--prompt", help="the user's message (with --raw: text to continue)")
     prompt.add_argument("--token-ids", help="comma-separated token ids to continue instead")
+    prompt.add_argument("--prompts", metavar="JSONL",
+                        help='prompts, one JSON object per line: {"prompt": …} or '
+                             '{"token_ids": […]}, optionally "images": [paths]')
+    parser.add_argument("--raw", action="store_true",
+                        help="continue the prompt as plain text, without the chat template")
     parser.add_argument("--tokenizer", help="Hugging Face tokenizer directory (default: the "
-                                            "checkpoint's Hugging Face directory)")
+                                            "one the checkpoint carries)")
     parser.add_argument("--lora", metavar="DIR",
                         help="a Hugging Face PEFT LoRA adapter directory to apply to the "
                              "checkpoint (its base)")
+    parser.add_argument("--base", metavar="DIR",
+                        help="where a LoRA checkpoint's base is now, if it moved (checked "
+                             "against the fingerprint the checkpoint recorded)")
     parser.add_argument("--image", action="append", metavar="PATH",
                         help="an image for a vision-language model to answer about (repeat for "
                              "several): --prompt is then the user's question, in the chat "
@@ -53,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "Qwen2.5-VL takes each at its own size (the model's min / max "
                              "pixels) with M-RoPE positions")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (default); > 0: sample")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--dump-logits", metavar="FILE", help="write the prompt's logits here")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
@@ -76,111 +94,39 @@ def _token_ids(text: str) -> list[int]:
 
 
 def prepare(args: argparse.Namespace) -> tuple:
-    """The checkpoint (format, model config), the tokenizer and prompt ids, and the layout
-    checked against the model: (source, tokenizer or None, prompt, backend, cfg, plan, the
-    adapters: a PEFT adapter and / or a LoRA checkpoint, for ``load_weights``).
+    """(the Setup, the encoded prompts, the sampling): every error before any process group
+    or model exists (Megatron-Core is not imported yet: 8 s a process)."""
+    from ray_ppu.offline import generation
 
-    Megatron-Core is not imported yet (8 s a process): under torchrun every rank finds a bad
-    --tp in about a second, before any process group exists.
-    """
-    from ray_ppu import devices
-    from ray_ppu.data.tokenizer import load_tokenizer
-    from ray_ppu.offline.source import inference_config, open_source
-
-    token_ids = _token_ids(args.token_ids) if args.token_ids is not None else None
-    source, lora, adapter, trained = _with_adapters(open_source(args.checkpoint), args.lora)
-    tokenizer_dir = args.tokenizer or source.hf_dir
-    tokenizer = None
-    if tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(tokenizer_dir)
-    images, stops = _images(args, source, tokenizer_dir), ()
-    if images is not None and token_ids is None:
-        from ray_ppu.offline.image_prompt import prompt_ids
-
-        prompt, stops = prompt_ids(tokenizer_dir, args.prompt, len(args.image), source.vision,
-                                   images.get("tokens"))
-    elif token_ids is not None:
-        prompt = token_ids
-    elif tokenizer is None:
-        raise ConfigError(f"no tokenizer.json for {source.path}: pass --tokenizer DIR or "
-                          f"--token-ids")
+    sampling = generation.Sampling(args.max_new_tokens, args.temperature, args.top_k,
+                                   args.top_p, args.seed)
+    if sampling.problems():
+        raise ConfigError("; ".join(sampling.problems()))
+    if args.prompts is not None:
+        if args.image:
+            raise ConfigError("--image goes with --prompt; in --prompts give each line "
+                              "its \"images\"")
+        prompts = generation.read_prompts(args.prompts)
     else:
-        prompt = tokenizer.encode(args.prompt)
-    if images is not None:
-        wanted = sum(images.get("tokens") or [source.vision.image_tokens] * len(args.image))
-        if prompt.count(source.vision.image_token_id) != wanted:
-            raise ConfigError(f"the prompt holds {prompt.count(source.vision.image_token_id)} "
-                              f"image tokens (id {source.vision.image_token_id}); "
-                              f"{len(args.image)} --image(s) take {wanted}")
-    if not prompt or max(prompt) >= source.model.vocab_size or min(prompt) < 0:
-        raise ConfigError(f"prompt token ids {prompt[:8]}…: expected 1 or more ids below "
-                          f"vocab_size {source.model.vocab_size}")
-    backend = devices.resolve(args.device)
-    precision = args.precision or ("bf16" if backend == "ppu" else "fp32")
-    # The layout against the model now, for the world the process group will have
-    # (torchrun's WORLD_SIZE, else one process): not on every rank after joining it.
-    cfg, plan = inference_config(source.model, int(os.environ.get("WORLD_SIZE", 1)), args.tp,
-                                 args.pp, precision=precision, device=backend, ep=args.ep,
-                                 etp=1 if args.ep > 1 else None, lora=lora,
-                                 vision=source.vision)
-    stops = stops or ((tokenizer.eod,) if tokenizer is not None else ())
-    return (source, tokenizer, prompt, backend, cfg, plan,
-            {"adapter": adapter, "trained": trained}, {**(images or {}), "stop": tuple(stops)})
-
-
-def _images(args: argparse.Namespace, source, tokenizer_dir) -> Optional[dict]:
-    """--image's model inputs (None without it): ``images`` (LLaVA: pixel values; Qwen2.5-VL:
-    (pixel values, grid_thw), with each image's ``tokens`` and the M-RoPE ``positions_of``); a
-    text model or a missing tokenizer is a ConfigError."""
-    if not args.image:
-        return None
-    if not source.vision.enabled:
-        raise ConfigError(f"--image: {source.path} is a text model (no vision section)")
-    if args.token_ids is None and tokenizer_dir is None:
-        raise ConfigError(f"--image: no tokenizer for {source.path}: pass --tokenizer DIR")
-    from ray_ppu.offline import image_prompt
-
-    if source.vision.native:  # Qwen2.5-VL: each image at its own size, M-RoPE positions
-        pixels, grid, tokens = image_prompt.native_pixels(args.image, source.vision,
-                                                          source.hf_dir)
-        return {"images": (pixels, grid), "tokens": tokens,
-                "positions_of": image_prompt.mrope_of(grid, source.vision)}
-    return {"images": image_prompt.pixel_values(args.image, source.vision, source.hf_dir)}
-
-
-def _with_adapters(source, lora_dir: Optional[str]) -> tuple:
-    """(the base to load, its lora section or None, a PEFT adapter or None, a LoRA checkpoint
-    to load the adapters from or None): a LoRA run's checkpoint names its base; --lora adds a
-    PEFT adapter to whatever the checkpoint is."""
-    from ray_ppu.config.lora import LoraConfig
-    from ray_ppu.offline.source import open_source
-
-    trained, lora, adapter = None, None, None
-    if source.kind == "mcore" and source.meta.lora is not None:
-        base = (source.meta.base or {}).get("path")
-        if not base or not Path(base).is_dir():
-            raise ConfigError(f"{source.path} holds LoRA adapters; their base {base} is not "
-                              f"there")
-        trained, lora = str(source.path), LoraConfig(**source.meta.lora)
-        source = open_source(base)
-    if lora_dir is not None:
-        if lora is not None:
-            raise ConfigError(f"--lora {lora_dir}: {trained} has adapters already")
-        from ray_ppu.hf.peft import lora_section, read_adapter
-
-        adapter = read_adapter(lora_dir, "--lora")
-        lora = LoraConfig(**lora_section(adapter, source.model))
-    return source, lora, adapter, trained
+        prompts = [generation.Prompt(
+            args.prompt, _token_ids(args.token_ids) if args.token_ids is not None else None,
+            tuple(args.image or ()))]
+    setup = generation.setup(args.checkpoint, lora=args.lora, base=args.base,
+                             tokenizer=args.tokenizer, raw=args.raw,
+                             world_size=int(os.environ.get("WORLD_SIZE", 1)), tp=args.tp,
+                             pp=args.pp, ep=args.ep, precision=args.precision,
+                             device=args.device)
+    return setup, [setup.encode(p) for p in prompts], sampling
 
 
 def main(argv=None) -> int:
     """1. :func:`prepare`: errors before any process group or model exists.
     2. The process group (torchrun's, or one process), the model at TP × PP, its weights.
-    3. Greedy decoding; rank 0 prints the continuation and dumps the logits.
+    3. Each prompt continued; rank 0 prints a JSON line for each, dumps the logits.
     """
     args = parse_args(argv)
     try:
-        source, tokenizer, prompt, backend, cfg, plan, adapters, extra = prepare(args)
+        setup, encoded, sampling = prepare(args)
     except (UserError, RuntimeError) as err:
         return report_before_group(err)
 
@@ -189,28 +135,33 @@ def main(argv=None) -> int:
 
     from ray_ppu import devices  # Megatron-Core: after the checks
     from ray_ppu.model import parallel
-    from ray_ppu.offline import inference
+    from ray_ppu.offline import generation, inference
 
+    results = []
+    backend, vocab = setup.cfg.cluster.device, setup.source.model.vocab_size
     with parallel.process_group(backend):
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        with inference.built_model(cfg, plan, backend, local_rank) as chunks:
-            inference.load_weights(chunks, source, cfg, plan, **adapters)
-            device = devices.torch_device(backend)  # greedy moves the images there
-            new, logits = inference.greedy(chunks, prompt, source.model.vocab_size, device,
-                                           args.max_new_tokens, extra["stop"],
-                                           extra.get("images"), extra.get("positions_of"))
+        with inference.built_model(setup.cfg, setup.plan, backend, local_rank) as chunks:
+            inference.load_weights(chunks, setup.source, setup.cfg, setup.plan, **setup.adapters)
+            device = devices.torch_device(backend)
+            for prompt in encoded:
+                results.append(generation.continue_prompt(chunks, prompt, vocab, device,
+                                                          sampling))
         if dist.get_rank() != 0:
             return 0
-    result = {"checkpoint": str(source.path), "format": source.kind, "prompt_ids": prompt,
-              "new_ids": new}
-    if tokenizer is not None:
-        result["text"] = tokenizer.decode(new)
-    if args.dump_logits:
-        Path(args.dump_logits).write_text(json.dumps(
-            {"checkpoint": str(source.path), "token_ids": prompt, "vocab_size": logits.shape[1],
-             "logits": logits.cpu().tolist()}))
-        result["logits"] = args.dump_logits
-    print(json.dumps(result, ensure_ascii=False))
+    for prompt, (new, logits) in zip(encoded, results):
+        result = {"checkpoint": str(setup.checkpoint),
+                  "format": "mcore" if setup.adapters["trained"] else setup.source.kind,
+                  "prompt_ids": prompt.ids, "new_ids": new}
+        text = setup.decode(new)
+        if text is not None:
+            result["text"] = text
+        if args.dump_logits and prompt is encoded[0]:
+            Path(args.dump_logits).write_text(json.dumps(
+                {"checkpoint": str(setup.checkpoint), "token_ids": prompt.ids,
+                 "vocab_size": logits.shape[1], "logits": logits.cpu().tolist()}))
+            result["logits"] = args.dump_logits
+        print(json.dumps(result, ensure_ascii=False))
     return 0
 
 

@@ -550,7 +550,7 @@ def test_model_trained_from_scratch_exports_to_transformers(uninterrupted, qwen2
     dump = tmp_path / "logits.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "entrypoints" / "generate.py"), "--checkpoint", str(saved),
-         "--tokenizer", str(qwen2_tokenizer_dir), "--prompt", "def main(", "--max-new-tokens",
+         "--tokenizer", str(qwen2_tokenizer_dir), "--raw", "--prompt", "def main(", "--max-new-tokens",
          "3", "--dump-logits", str(dump)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

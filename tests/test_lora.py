@@ -174,6 +174,38 @@ def test_lora_plan_problems_are_named_together():
             "need ETP 1 or ETP = TP (4)") in etp
 
 
+def test_lora_targets_in_the_names_users_write():
+    """all-linear (PEFT, ms-swift) and Hugging Face projection names are the Megatron-Core
+    linears that hold them (q / k / v: the fused linear_qkv; a MoE model's MLP names: each
+    expert's), rank_pattern keys too; the launch summary lists the mapping."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.plan import build_plan
+    from ray_ppu.plan.summary import _lora
+
+    def planned(*overrides, preset="tiny"):
+        cfg = load(None, [f"model.preset={preset}", "lora.enabled=true", "training.train_iters=1",
+                          "data.data_path=[/x]", "checkpoint.load=/x", *overrides])
+        return cfg, build_plan(cfg)
+
+    default = planned()[1].num_trainable_parameters
+    for names in ("all-linear", "all", "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                       "down_proj",
+                  "linear_qkv, o_proj, gate_up_proj, linear_fc2"):
+        cfg, plan = planned(f"lora.target_modules=[{names}]")
+        assert cfg.lora.targets(False) == ("linear_qkv", "linear_proj", "linear_fc1",
+                                           "linear_fc2"), names
+        assert plan.num_trainable_parameters == default, names
+    cfg, plan = planned("lora.target_modules=[q_proj, v_proj, down_proj]",
+                        "lora.rank_pattern={v_proj: 8}")
+    assert cfg.lora.targets(False) == ("linear_qkv", "linear_fc2")
+    assert cfg.lora.rank_of("linear_qkv") == 8 and cfg.lora.rank_of("linear_fc2") == 16
+    assert "linear_qkv r8 (from q_proj, v_proj), linear_fc2 r16 (from down_proj)" in \
+        _lora(cfg, plan)[0]
+    cfg, _ = planned("lora.target_modules=[q_proj, gate_proj, down_proj]",
+                     "parallel.expert_model_parallel_size=1", preset="tiny-moe")
+    assert cfg.lora.targets(True) == ("linear_qkv", "experts.linear_fc1", "experts.linear_fc2")
+
+
 def test_the_summary_shows_what_trains_and_the_frozen_bytes():
     from ray_ppu.plan.summary import summary_lines
 

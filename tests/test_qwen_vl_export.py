@@ -214,11 +214,11 @@ def test_generate_with_an_image_has_transformers_logits(qwen_dir, launched, tmp_
 
     prepared = generate.prepare(generate.parse_args(["--checkpoint", str(launched / "tp2"),
                                                      *_generate_args(qwen_dir)]))
-    prompt, extra = prepared[2], prepared[7]
-    assert prompt == reference["ids"]
-    pixels, grid = extra["images"]
+    [encoded] = prepared[1]
+    assert encoded.ids == reference["ids"]
+    pixels, grid = encoded.images
     assert torch.equal(pixels, reference["pixels"]) and torch.equal(grid, reference["grid"])
-    assert torch.equal(extra["positions_of"](prompt), reference["positions"])
+    assert torch.equal(encoded.positions_of(encoded.ids), reference["positions"])
 
 
 def _generate_args(qwen_dir: Path) -> list[str]:

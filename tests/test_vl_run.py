@@ -166,3 +166,69 @@ def test_a_hugging_face_llava_base_is_merged_through_a_converted_copy(tiny_llava
     original, exported = dict(read_all(tiny_llava_dir)), dict(read_all(summary["out"]))
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(t, exported[n]) for n, t in original.items())
+
+
+@pytest.mark.slow
+def test_the_lora_checkpoint_generates_on_its_own_as_its_merged_export(stage2, converted, shapes,
+                                                                       tmp_path):
+    """generate.py on the LoRA checkpoint alone (no --tokenizer; the tokenizer, chat template
+    and image processor are the ones it carries) gives the logits transformers gives for its
+    merged export, prompted through the export's own image processor; every file it and the
+    export hold is readable by all. A moved base is found with --base (checked by content)
+    by generation and merging alike; another model as --base is refused."""
+    import json
+    import shutil
+    import stat
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    from conftest import REPO
+    from ray_ppu.checkpoint.layout import latest, save_root
+    from ray_ppu.errors import ConfigError
+    from ray_ppu.hf.files import read_all
+    from ray_ppu.offline import generation
+    from ray_ppu.offline.lora_export import export_merged
+    from ray_ppu.tools.shapes import QUESTIONS
+
+    path, meta = latest(save_root(stage2["cfg"]))
+    # the run prepared its images by the processor its converted base carries
+    assert stage2["cfg"].data.image_processor == str(latest(converted)[0] / "processor")
+    carried = {f"processor/{n}" for n in ("tokenizer.json", "tokenizer_config.json",
+                                          "preprocessor_config.json")}
+    assert carried <= set(meta.files), sorted(meta.files)
+    summary = export_merged(save_root(stage2["cfg"]), tmp_path / "hf")
+    for file in [*Path(path).rglob("*"), *Path(summary["out"]).iterdir()]:
+        if file.is_file():
+            assert stat.S_IMODE(file.stat().st_mode) & 0o044 == 0o044, file
+    image = str(Path(shapes["image_root"]) / "train_00000.png")
+    proc = subprocess.run([sys.executable, str(REPO / "entrypoints" / "generate.py"),
+                           "--checkpoint", str(save_root(stage2["cfg"])), "--image", image,
+                           "--prompt", QUESTIONS["colour"], "--max-new-tokens", "2",
+                           "--dump-logits", str(tmp_path / "logits.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ours["checkpoint"] == str(path) and ours["prompt_ids"][0] == 151_644  # <|im_start|>
+    merged = LlavaForConditionalGeneration.from_pretrained(summary["out"]).eval()
+    pixels = AutoImageProcessor.from_pretrained(summary["out"])(
+        images=Image.open(image).convert("RGB"), return_tensors="pt").pixel_values
+    with torch.no_grad():
+        theirs = merged(input_ids=torch.tensor([ours["prompt_ids"]]), pixel_values=pixels).logits[0]
+    logits = torch.tensor(json.loads((tmp_path / "logits.json").read_text())["logits"])
+    assert (logits - theirs[:, :logits.shape[1]]).abs().max() <= 1e-4
+
+    moved = tmp_path / "moved"
+    shutil.copytree(converted, moved)
+    setup = generation.setup(str(path), base=str(moved), device="cpu")
+    assert str(setup.source.path).startswith(str(moved)) and setup.adapters["trained"]
+    again = export_merged(save_root(stage2["cfg"]), tmp_path / "again", base_at=str(moved))
+    assert again["base"].startswith(str(moved))
+    first, second = dict(read_all(summary["out"])), dict(read_all(again["out"]))
+    assert sorted(first) == sorted(second)
+    assert all(torch.equal(t, second[n]) for n, t in first.items())
+    with pytest.raises(ConfigError, match="not the base"):
+        generation.setup(str(path), base=str(summary["out"]), device="cpu")

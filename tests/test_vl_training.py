@@ -167,3 +167,33 @@ def test_generate_answers_about_an_image_as_transformers_does(tiny_llava_dir, im
     proc = generate("--image", str(tmp_path / "broken.png"), "--prompt", "Hi")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "broken.png" in proc.stderr
+
+
+def test_a_generated_image_token_is_a_plain_token_as_in_transformers(world_of_one,
+                                                                     tiny_llava_dir, image_dir):  # noqa: F811
+    """A continuation holding the image token (which greedy decoding may emit) runs: the
+    prompt's image tokens take the image, the new one is a plain token, as in transformers'
+    cached decoding (no pixels after the prompt); the logits of the new positions agree."""
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration, SiglipImageProcessor
+
+    from ray_ppu.offline import generation, inference
+
+    setup = generation.setup(str(tiny_llava_dir), device="cpu")
+    encoded = setup.encode(generation.Prompt("Which colour?", images=(str(image_dir / "red.png"),)))
+    image_token = setup.source.vision.image_token_id
+    ids = encoded.ids + [image_token, 872]
+    with inference.built_model(setup.cfg, setup.plan, "cpu") as chunks:
+        inference.load_weights(chunks, setup.source, setup.cfg, setup.plan)
+        ours = inference.prompt_logits(chunks, ids, setup.source.model.vocab_size,
+                                       torch.device("cpu"), encoded.images,
+                                       image_positions=len(encoded.ids))
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir).eval()
+    pixels = SiglipImageProcessor.from_pretrained(tiny_llava_dir)(
+        images=Image.open(image_dir / "red.png"), return_tensors="pt").pixel_values
+    with torch.no_grad():
+        prompt = model(input_ids=torch.tensor([encoded.ids]), pixel_values=pixels, use_cache=True)
+        after = model(input_ids=torch.tensor([ids[-2:]]),
+                      cache=prompt.past_key_values).logits[0]
+    assert (ours[-2:] - after[:, :ours.shape[1]]).abs().max() <= 1e-4
+    assert (ours[:-2] - prompt.logits[0, :, :ours.shape[1]]).abs().max() <= 1e-4

@@ -20,6 +20,7 @@ from ray_ppu.checkpoint.optimizer_workarounds import _restore_adam_steps
 from ray_ppu.checkpoint.resume import ResumePoint, _check_model
 from ray_ppu.checkpoint.rng import _rng_sharded, restore_rng
 from ray_ppu.checkpoint.saver import _sharded_state
+from ray_ppu.config.lora import is_adapter_key
 from ray_ppu.config.schema import RunConfig
 from ray_ppu.errors import CheckpointError
 from ray_ppu.util.wrappers import unwrap
@@ -115,12 +116,34 @@ def load(resume: ResumePoint, model: list, optimizer, scheduler, plan, cfg: RunC
 
 
 def load_trained(path: str, model: list) -> None:
-    """What a LoRA run's checkpoint holds (its adapters and trained base parts) into a model
-    whose base is loaded: generation from the checkpoint itself, no optimizer; collective."""
+    """What a LoRA run's checkpoint holds (its adapters and the base parts it trained: a
+    projector, a merger, norms) into a model whose base is loaded: generation and export
+    from the checkpoint itself, no optimizer; collective.
+
+    What to read is what the checkpoint stores, not what this model would train: a model
+    built for generation freezes nothing, and the run's own ``vision.freeze`` and
+    ``lora.trainable`` decided what it saved. Every adapter of the model must be stored (else
+    the targets or ranks differ), and nothing stored may be foreign to the model.
+    """
     from megatron.core import dist_checkpointing
 
-    state = _sharded_state(model, None, is_loading=True, part="trainable")
+    stored = set(dist_checkpointing.load_tensors_metadata(path))
+    wanted = []
+    for chunk in model:
+        state = parts.sharded(unwrap(chunk), "all")
+        kept = {k: v for k, v in state.items() if getattr(v, "key", None) in stored}
+        absent = sorted(v.key for k, v in state.items()
+                        if is_adapter_key(k) and k not in kept)
+        if absent:
+            raise CheckpointError(f"{path} lacks the adapters {', '.join(absent[:4])}: its run "
+                                  f"had other LoRA targets than its meta names")
+        wanted.append(kept)
+    state = {"model": wanted[0]} if len(model) == 1 else {
+        f"model{i}": kept for i, kept in enumerate(wanted)}
     loaded = dist_checkpointing.load(state, path)
     for i, chunk in enumerate(model):
-        parts.load(unwrap(chunk), loaded["model" if len(model) == 1 else f"model{i}"],
-                   "trainable", path)
+        values = loaded["model" if len(model) == 1 else f"model{i}"]
+        result = unwrap(chunk).load_state_dict(values, strict=False)
+        if result.unexpected_keys:
+            raise CheckpointError(f"{path} holds {', '.join(result.unexpected_keys[:4])}, "
+                                  f"which this model has not")

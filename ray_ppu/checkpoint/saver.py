@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ray_ppu.checkpoint import parts
+from ray_ppu.checkpoint import parts, processor
 from ray_ppu.checkpoint.layout import META_FILE, Meta, _new_dir, config_hash
 from ray_ppu.checkpoint.optimizer_workarounds import (
     _align_param_group_index_map,
@@ -137,9 +137,12 @@ class Saver:
     """
 
     def __init__(self, root: str | Path, plan, cfg: RunConfig, with_cuda_rng: bool = False,
-                 async_save: bool = False, origin: Optional[dict] = None) -> None:
+                 async_save: bool = False, origin: Optional[dict] = None,
+                 carried: Optional[dict] = None) -> None:
         self.root, self.plan, self.cfg = Path(root), plan, cfg
         self.origin = origin or {}
+        # the tokenizer and image processor each checkpoint carries (rank 0 writes them)
+        self.carried = carried or {}
         self.with_cuda_rng = with_cuda_rng
         self.queue = None
         if async_save:
@@ -226,6 +229,11 @@ class Saver:
 
     def _complete(self, path: Path, iteration: int, tag, error: Optional[str] = None,
                   weights_only: bool = False) -> tuple:
+        if error is None and dist.get_rank() == 0:
+            try:  # before the file list: a checkpoint missing them is damaged
+                processor.write(path, self.carried)
+            except OSError as err:
+                error = f"{type(err).__name__}: {err}"
         _agree_saved(path, iteration, error)
         plan = self.plan
         meta = Meta(
@@ -242,7 +250,8 @@ class Saver:
             config_hash=config_hash(self.cfg),
             optimizer_format=OPTIMIZER_FORMAT,
             saved_at=time.time(),
-            files={f.name: f.stat().st_size for f in sorted(path.iterdir()) if f.is_file()}
+            files={f.relative_to(path).as_posix(): f.stat().st_size
+                   for f in sorted(path.rglob("*")) if f.is_file()}
             if dist.get_rank() == 0 else None,
             weights_only=weights_only,
             model=dataclasses.asdict(self.cfg.model),

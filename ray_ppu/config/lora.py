@@ -22,6 +22,30 @@ TRAINABLE_PARTS = ("embedding", "output_layer", "norms", "router")
 # Column-parallel targets (the output dimension is split over TP: B is sharded, A replicated);
 # the others are row-parallel (A sharded along the input, B replicated).
 COLUMN_TARGETS = ("linear_qkv", "linear_fc1", "experts.linear_fc1")
+# The names users write for targets, as PEFT, transformers and ms-swift spell them: each is
+# the Megatron-Core linear that holds that projection (q, k and v are one fused linear_qkv, gate
+# and up one linear_fc1: an adapter on it adapts all of them). On a MoE model the MLP names are
+# each routed expert's. "all-linear" (PEFT, ms-swift) and "all" are every linear.
+ALL_LINEAR = ("all-linear", "all")
+HF_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+              "qkv_proj": "linear_qkv", "o_proj": "linear_proj", "gate_proj": "linear_fc1",
+              "up_proj": "linear_fc1", "gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+
+
+def canonical_targets(name: str, is_moe: bool) -> tuple[str, ...]:
+    """The Megatron-Core targets a name stands for: itself, its Hugging Face projection's
+    linear (``q_proj`` → ``linear_qkv``; an MLP's on a MoE model: ``experts.linear_fc1``), or
+    every linear (``all-linear``). An unknown name stands for itself (the plan names it)."""
+    if name in ALL_LINEAR:
+        return MOE_TARGETS if is_moe else DENSE_TARGETS
+    megatron = HF_TARGETS.get(name)
+    if megatron is None:
+        return (name,)
+    if is_moe and megatron in ("linear_fc1", "linear_fc2"):
+        return (f"experts.{megatron}",)
+    return (megatron,)
+
+
 # An adapter module sits beside the linear it adapts: linear_qkv → linear_qkv_lora, whose A
 # and B are checkpointed as …self_attention.linear_qkv_lora.a / .b.
 ADAPTER_SUFFIX = "_lora"
@@ -52,7 +76,9 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=list)
     """Linears that get adapters, in Megatron-Core's names: linear_qkv, linear_proj,
     linear_fc1, linear_fc2 (dense models), experts.linear_fc1 / experts.linear_fc2 (every
-    routed expert of a MoE model); empty = every linear of the model."""
+    routed expert of a MoE model); or as PEFT and ms-swift write them: q_proj / k_proj /
+    v_proj (all three: linear_qkv, which is one fused linear), o_proj, gate_proj / up_proj,
+    down_proj, all-linear. Empty = every linear of the model."""
     rank_pattern: dict[str, int] = field(default_factory=dict)
     """Rank of single targets, overriding rank, e.g. {linear_qkv: 64} (PEFT: rank_pattern)."""
     alpha_pattern: dict[str, float] = field(default_factory=dict)
@@ -68,18 +94,32 @@ class LoraConfig:
     LoRA on."""
 
     def rank_of(self, target: str) -> int:
-        return self.rank_pattern.get(target, self.rank)
+        return _pattern_value(self.rank_pattern, target, self.rank)
 
     def alpha_of(self, target: str) -> float:
-        return self.alpha_pattern.get(target, self.alpha)
+        return _pattern_value(self.alpha_pattern, target, self.alpha)
 
     def scale_of(self, target: str) -> float:
         """What an adapter's output is multiplied by: alpha / rank."""
         return self.alpha_of(target) / self.rank_of(target)
 
     def targets(self, is_moe: bool) -> tuple[str, ...]:
-        """The targets in effect: those named, else every linear of the model."""
-        return tuple(self.target_modules) or (MOE_TARGETS if is_moe else DENSE_TARGETS)
+        """The targets in effect, in Megatron-Core's names: those named (in any spelling:
+        :func:`canonical_targets`), else every linear of the model."""
+        found: list[str] = []
+        for name in self.target_modules:
+            found += [t for t in canonical_targets(name, is_moe) if t not in found]
+        return tuple(found) or (MOE_TARGETS if is_moe else DENSE_TARGETS)
+
+    def spelled(self, is_moe: bool) -> dict[str, list[str]]:
+        """{target: the names the config gave for it}, where they are not the target's own
+        (what the launch summary shows beside the targets)."""
+        given: dict[str, list[str]] = {}
+        for name in self.target_modules:
+            for target in canonical_targets(name, is_moe):
+                if name != target:
+                    given.setdefault(target, []).append(name)
+        return given
 
     def on_experts(self, is_moe: bool) -> bool:
         """Whether adapters go on routed experts (which then run as sequential experts, not
@@ -88,3 +128,12 @@ class LoraConfig:
 
     def with_(self, **changes) -> "LoraConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _pattern_value(pattern: dict, target: str, default):
+    """A rank_pattern / alpha_pattern value for ``target``, its key in any spelling."""
+    if target in pattern:
+        return pattern[target]
+    is_moe = target.startswith("experts.")
+    return next((v for k, v in pattern.items() if target in canonical_targets(k, is_moe)),
+                default)

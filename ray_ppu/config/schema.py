@@ -236,6 +236,11 @@ class DataConfig:
     max_image_pixels: int = 50_000_000
     """sft with a vision model: an image of more pixels (by its header, before decoding) is
     skipped and counted as image_too_large. [≥ 1]"""
+    image_processor: Optional[str] = None
+    """sft with a vision model: the directory whose preprocessor_config.json prepares the
+    images (resize, resampling, mean / std). None = checkpoint.pretrained's, else the one
+    checkpoint.load's checkpoint carries (a stage-2 or LoRA run on a stage-1 or converted
+    checkpoint), else the encoder's default; the launch fills it in."""
 
 
 @dataclass(frozen=True)

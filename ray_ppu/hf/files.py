@@ -163,6 +163,9 @@ class Checkpoint:
         return tuple(info["shape"]), info["dtype"]
 
 
+PUBLIC_FILE_MODE = 0o644  # what save_pretrained leaves: a model directory others read
+
+
 class ShardedWriter:
     """Writes tensors into ``model-0000k-of-0000n.safetensors`` shards of at most
     ``max_bytes`` each (a tensor larger than that gets a shard of its own) plus
@@ -195,6 +198,7 @@ class ShardedWriter:
 
         path = self.dir / f".shard-{len(self.written):05d}.tmp"
         save_file(self.pending, str(path), metadata={"format": "pt"})
+        os.chmod(path, PUBLIC_FILE_MODE)  # safetensors writes 0600: others load exports too
         self.written.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 

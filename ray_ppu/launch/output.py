@@ -35,7 +35,21 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     pretrained = cfg.checkpoint.pretrained
     checkpoint = dataclasses.replace(cfg.checkpoint,
                                      pretrained=_absolute(pretrained) if pretrained else None)
-    return dataclasses.replace(cfg, data=data, output=output, checkpoint=checkpoint)
+    cfg = dataclasses.replace(cfg, data=data, output=output, checkpoint=checkpoint)
+    return _with_image_processor(cfg)
+
+
+def _with_image_processor(cfg: RunConfig) -> RunConfig:
+    """A vision-language run's data.image_processor made explicit (absolute; by default
+    checkpoint.pretrained's, else the one checkpoint.load's checkpoint carries), so the
+    driver's data preparation and every worker prepare images alike."""
+    from ray_ppu.checkpoint.processor import image_processor_dir
+
+    if not cfg.vision.enabled:
+        return cfg
+    given = cfg.data.image_processor
+    found = _absolute(given) if given else image_processor_dir(cfg)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, image_processor=found))
 
 
 def prepare_output(cfg: RunConfig, plan: Plan) -> Path:

@@ -194,11 +194,16 @@ class VisionLanguageModel(MegatronModule):
         return int(images[1].shape[0]) if isinstance(images, tuple) else int(images.shape[0])
 
     def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              images: Optional[torch.Tensor]) -> torch.Tensor:
+              images: Optional[torch.Tensor], image_positions: Optional[int] = None
+              ) -> torch.Tensor:
         """The decoder's input [s, b, h] (this rank's sequence share under SP): token
-        embeddings with each image's features written over its placeholder tokens."""
+        embeddings with each image's features written over its placeholder tokens (those
+        among the first ``image_positions`` positions if given: a generated image token is a
+        plain token, as in transformers' cached decoding)."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=position_ids)
         placeholders = input_ids == self.image_token_id  # [b, s]
+        if image_positions is not None:
+            placeholders[:, image_positions:] = False
         if images is not None and self._count(images):
             features = self.image_features(images)
             n_features, n_places = features.shape[0], int(placeholders.sum())
@@ -218,8 +223,9 @@ class VisionLanguageModel(MegatronModule):
         return embeddings
 
     def forward(self, input_ids, position_ids, attention_mask, labels=None, images=None,
-                packed_seq_params=None, **kwargs):
-        decoder_input = self.embed(input_ids, position_ids, images) if self.pre_process else None
+                packed_seq_params=None, image_positions=None, **kwargs):
+        decoder_input = (self.embed(input_ids, position_ids, images, image_positions)
+                         if self.pre_process else None)
         return self.language_model(input_ids, position_ids, attention_mask,
                                    decoder_input=decoder_input, labels=labels,
                                    packed_seq_params=packed_seq_params, **kwargs)

@@ -70,8 +70,22 @@ def to_mcore(hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1,
     with built_model(cfg, plan, backend, int(os.environ.get("LOCAL_RANK", 0))) as chunks:
         read = load_weights(chunks, source, cfg, plan)
         saver = checkpoint.Saver(out, plan, cfg, origin={"hf_config": source.hf_config,
-                                                         "hf_source": str(source.path)})
+                                                         "hf_source": str(source.path)},
+                                 carried=_carried(cfg, source) if dist.get_rank() == 0 else None)
         [(path, meta, _)] = saver.save(0, chunks, None, None)
     return {"checkpoint": str(path), "precision": precision, "tp": tp, "pp": pp, "ep": ep,
             "bytes_read_rank0": read["bytes_read"], "files": len(meta.files or {}),
             "seconds": time.perf_counter() - started}
+
+
+def _carried(cfg: RunConfig, source: Source) -> dict:
+    """The source directory's tokenizer, generation config and image processor, for the
+    checkpoint to carry (:mod:`ray_ppu.checkpoint.processor`)."""
+    import dataclasses
+
+    from ray_ppu.checkpoint.processor import gather
+    from ray_ppu.data.sft.image_samples import processor_file
+
+    read_from = dataclasses.replace(cfg, checkpoint=dataclasses.replace(
+        cfg.checkpoint, pretrained=str(source.path)))
+    return gather(read_from, str(source.path), processor_file(read_from))

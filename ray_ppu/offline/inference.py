@@ -1,6 +1,6 @@
-"""Forward passes outside training: a prompt's logits and greedy decoding, from a Hugging Face
-directory or a ray_ppu (torch_dist) checkpoint, at any TP × PP on an initialised process group
-(one process, or torchrun).
+"""Forward passes outside training: a prompt's logits, from a Hugging Face directory or a
+ray_ppu (torch_dist) checkpoint, at any TP × PP on an initialised process group (one process,
+or torchrun). Decoding token by token is :mod:`ray_ppu.offline.generation`'s.
 
 A sanity check after training, not a serving engine: every new token runs the whole sequence
 through Megatron's forward-only pipeline schedule again (no KV cache).
@@ -24,7 +24,7 @@ from ray_ppu.config.schema import RunConfig
 from ray_ppu.offline.source import Source, inference_config, open_source
 from ray_ppu.plan import Plan
 
-__all__ = ["Source", "built_model", "greedy", "inference_config", "load_weights", "open_source",
+__all__ = ["Source", "built_model", "inference_config", "load_weights", "open_source",
            "prompt_logits"]
 
 
@@ -78,11 +78,15 @@ def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
 
 @torch.no_grad()
 def prompt_logits(chunks: list, tokens: list[int], vocab_size: int, device: torch.device,
-                  images=None, positions_of: Optional[Callable] = None) -> torch.Tensor:
+                  images=None, positions_of: Optional[Callable] = None,
+                  image_positions: Optional[int] = None) -> torch.Tensor:
     """Logits [len(tokens), vocab_size] (fp32) of every position of ``tokens``, on every rank;
     ``images``: a vision-language model's pixel values [n, 3, H, W] for the image tokens
     (Qwen2.5-VL: patches and grid_thw), ``positions_of(tokens)``: the M-RoPE positions
-    [3, len(tokens)] of a model with ``mrope_section`` (else 0 … n-1).
+    [3, len(tokens)] of a model with ``mrope_section`` (else 0 … n-1). ``image_positions``:
+    the prompt's length when ``tokens`` continue it: only its image tokens take the images,
+    and the M-RoPE positions of the tokens after it go on from its largest, one by one (as
+    transformers' decoding does).
 
     1. Megatron's forward-only schedule over the pipeline (one microbatch; for interleaved
        stages one per pipeline stage, all the same sequence, as the schedule needs).
@@ -95,14 +99,18 @@ def prompt_logits(chunks: list, tokens: list[int], vocab_size: int, device: torc
     n = len(tokens)
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
     if positions_of is not None:  # [3, 1, n]: temporal, height, width of the one row
-        positions = torch.as_tensor(positions_of(tokens), device=device)[:, None, :]
+        known = n if image_positions is None else image_positions
+        positions = torch.as_tensor(positions_of(tokens[:known]))
+        after = positions.max() + torch.arange(1, n - known + 1, dtype=positions.dtype)
+        positions = torch.cat([positions, after.expand(3, -1)], 1).to(device)[:, None, :]
     else:
         positions = torch.arange(n, device=device).unsqueeze(0)
     on_device = (None if images is None else tuple(t.to(device) for t in images)
                  if isinstance(images, tuple) else images.to(device))
 
     def forward_step(_data, model):
-        extra = {} if images is None else {"images": on_device}
+        extra = {} if images is None else {"images": on_device,
+                                           "image_positions": image_positions}
         output = model(ids, positions, None, **extra)
 
         def gather(output_tensor, non_loss_data=True):
@@ -124,25 +132,3 @@ def prompt_logits(chunks: list, tokens: list[int], vocab_size: int, device: torc
         dist.broadcast(logits, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
     return logits
-
-
-def greedy(chunks: list, prompt: list[int], vocab_size: int, device: torch.device,
-           max_new_tokens: int, stop: tuple[int, ...] = (),
-           images=None, positions_of: Optional[Callable] = None
-           ) -> tuple[list[int], torch.Tensor]:
-    """Greedy continuation of ``prompt`` (up to ``max_new_tokens``, ending early at a ``stop``
-    id), and the prompt's own logits [len(prompt), vocab_size]; ``images`` and
-    ``positions_of`` as for :func:`prompt_logits`."""
-    ids = list(prompt)
-    first = None
-    for _ in range(max_new_tokens):
-        logits = prompt_logits(chunks, ids, vocab_size, device, images, positions_of)
-        if first is None:
-            first = logits
-        token = int(logits[-1].argmax())
-        ids.append(token)
-        if token in stop:
-            break
-    if first is None:
-        first = prompt_logits(chunks, ids, vocab_size, device, images, positions_of)
-    return ids[len(prompt):], first

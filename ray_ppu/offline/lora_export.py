@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -28,13 +29,15 @@ from typing import Optional
 
 import torch
 
+from ray_ppu.checkpoint.processor import carried
 from ray_ppu.config.lora import LoraConfig, is_adapter_key
 from ray_ppu.errors import ConfigError
 from ray_ppu.hf import llava_weights, peft, weights
-from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, Checkpoint, ShardedWriter
+from ray_ppu.hf.files import (INDEX_FILE, MAX_SHARD_BYTES, PUBLIC_FILE_MODE, Checkpoint,
+                              ShardedWriter)
 from ray_ppu.offline.mcore_to_hf import (DTYPES, GENERATION_CONFIG, TOKENIZER_FILES, _layer_slabs,
                                          _reader, _whole, export, hf_dtype_name, stored_tensors)
-from ray_ppu.offline.source import Source, open_source
+from ray_ppu.offline.source import Source, lora_base, open_source
 
 # target → the Megatron weight its delta adds to
 WEIGHT_OF = {"linear_qkv": weights.QKV, "linear_proj": weights.PROJ,
@@ -132,6 +135,7 @@ def export_peft(checkpoint: str | Path, out: str | Path) -> dict:
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / peft.WEIGHTS_FILE),
               metadata={"format": "pt"})
+    os.chmod(out / peft.WEIGHTS_FILE, PUBLIC_FILE_MODE)
     config = peft.adapter_config(model, lora, source.meta.hf_source or
                                  (source.meta.base or {}).get("path"),
                                  VL_LAYERS if native else None)
@@ -152,18 +156,23 @@ def _deltas(model, lora: LoraConfig, slabs: dict) -> dict:
 
 def export_merged(checkpoint: str | Path, out: str | Path, dtype: Optional[str] = None,
                   tokenizer: Optional[str | Path] = None,
-                  max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
-    """Write the base with the adapters merged (and the trained base parts) into ``out``."""
+                  max_shard_bytes: int = MAX_SHARD_BYTES,
+                  base_at: Optional[str] = None) -> dict:
+    """Write the base with the adapters merged (and the trained base parts) into ``out``;
+    ``base_at``: where the base is now, if it moved (checked by its fingerprint)."""
     started = time.perf_counter()
     source, lora = lora_source(checkpoint)
     base = source.meta.base or {}
+    if base_at is not None:
+        base = {**base, "path": lora_base(source, base_at)}
     trained = _Trained(source)
     base_dir = Path(base.get("path") or source.meta.hf_source or "")
     if base.get("kind") != "mcore" and not (base_dir / "config.json").is_file():
         raise ConfigError(f"{source.path}: its base {base_dir} is not there (a merge reads it)")
     if base.get("kind") == "mcore" or source.vision.enabled:
         with _as_mcore(base, base_dir) as base_checkpoint:
-            summary = export(base_checkpoint, out, dtype, tokenizer or source.hf_dir,
+            summary = export(base_checkpoint, out, dtype,
+                             tokenizer or carried(source.path) or source.hf_dir,
                              max_shard_bytes, adjust=_Adjust(source.model, lora, trained),
                              adjust_image=trained.image_part)
         return {**summary, "checkpoint": str(source.path), "base": base.get("path"),
@@ -195,9 +204,10 @@ def export_merged(checkpoint: str | Path, out: str | Path, dtype: Optional[str] 
                 writer.add(name, tensor.to(out_dtype))
     files = writer.close()
     for name in ("config.json", *TOKENIZER_FILES, GENERATION_CONFIG):
-        for where in (Path(tokenizer) if tokenizer else None, base_dir):
+        for where in (Path(tokenizer) if tokenizer else None, carried(source.path), base_dir):
             if where is not None and (where / name).is_file():
                 shutil.copyfile(where / name, out / name)
+                os.chmod(out / name, PUBLIC_FILE_MODE)
                 break
     config = json.loads((out / "config.json").read_text())
     config["torch_dtype"] = config["dtype"] = hf_dtype_name(out_dtype)

@@ -15,6 +15,7 @@ published spelling (:data:`ray_ppu.hf.qwen_vl.EXPORT_NAMES`) that every transfor
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -22,17 +23,13 @@ from typing import Callable, Optional
 
 import torch
 
+from ray_ppu.checkpoint.processor import GENERATION_CONFIG, TOKENIZER_FILES, carried
 from ray_ppu.data.images import PROCESSOR_FILE, image_spec
 from ray_ppu.errors import ConfigError
 from ray_ppu.hf import config as hf_config
 from ray_ppu.hf import llava, llava_weights, qwen_vl, weights
-from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, ShardedWriter
+from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, PUBLIC_FILE_MODE, ShardedWriter
 
-# What a Hugging Face model directory carries besides weights and config.json.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
-                   "chat_template.jinja", "chat_template.json")
-GENERATION_CONFIG = "generation_config.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -101,6 +98,7 @@ def _copy_side_files(sources: list[Path], out: Path) -> list[str]:
         for source in sources:
             if (source / name).is_file():
                 shutil.copyfile(source / name, out / name)
+                os.chmod(out / name, PUBLIC_FILE_MODE)
                 copied.append(name)
                 break
     return copied
@@ -120,8 +118,9 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     2. Layer by layer, then embedding, final norm and output layer: read the slab, cut it into
        Hugging Face tensors (cast to ``dtype``, default the stored one), stream into shards.
        A vision-language model's ViT and projector follow (a ``LlavaForConditionalGeneration``).
-    3. config.json (the source model's own, when the run started from one), generation config
-       and tokenizer files (from ``tokenizer``, else the source Hugging Face directory).
+    3. config.json (the source model's own, when the run started from one), generation config,
+       tokenizer files and image processor (from ``tokenizer``, else those the checkpoint
+       carries, else the source Hugging Face directory's).
     """
     from ray_ppu.offline.source import open_source
 
@@ -171,8 +170,9 @@ def export(checkpoint_path: str | Path, out: str | Path, dtype: Optional[str] = 
     else:
         config = hf_config.to_hf(model, hf_dtype_name(out_dtype), base)
     (out / hf_config.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    copied = _side_files(out, [Path(p) for p in (tokenizer, source.hf_dir) if p], config,
-                         vision)
+    # the tokenizer and image processor the checkpoint carries, else its run's source's
+    copied = _side_files(out, [Path(p) for p in (tokenizer, carried(path), source.hf_dir) if p],
+                         config, vision)
     return {"checkpoint": str(path), "out": str(out), "files": [f.name for f in files],
             "bytes": writer.total, "dtype": hf_dtype_name(out_dtype), "copied": copied,
             "tokenizer": any(name in copied for name in TOKENIZER_FILES),

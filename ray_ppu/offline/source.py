@@ -54,6 +54,18 @@ class Source:
         source = self.meta.hf_source if self.meta else None
         return Path(source) if source and Path(source).is_dir() else None
 
+    @property
+    def processor_dir(self) -> Optional[Path]:
+        """Where its tokenizer, chat template and image processor are: a checkpoint's own
+        copies (:mod:`ray_ppu.checkpoint.processor`), else :attr:`hf_dir`."""
+        if self.kind == "mcore":
+            from ray_ppu.checkpoint.processor import carried
+
+            own = carried(self.path)
+            if own is not None:
+                return own
+        return self.hf_dir
+
 
 def open_source(path: str | Path) -> Source:
     """What ``path`` holds: a Hugging Face directory (config.json + safetensors, its tensors
@@ -132,3 +144,28 @@ def inference_config(model: ModelConfig, world_size: int, tp: int = 1, pp: int =
         vision=(vision or VisionConfig()).with_(freeze=[]),
     )
     return cfg, build_plan(cfg, forward_only=True)
+
+
+def lora_base(source: Source, base: Optional[str] = None) -> str:
+    """The directory of a LoRA checkpoint's base (generation, merging): ``base`` if given
+    (where it is now: its fingerprint must be the recorded one, adapters on another base are
+    meaningless), else the recorded path, which must still be there."""
+    from ray_ppu.checkpoint.base import fingerprint
+
+    recorded = source.meta.base or {}
+    if base is None:
+        path = recorded.get("path")
+        if not path or not Path(path).is_dir():
+            raise ConfigError(f"{source.path} holds LoRA adapters; their base {path} is not "
+                              f"there: pass --base DIR where it is now")
+        return path
+    found = Path(base).expanduser().resolve()
+    if not found.is_dir():
+        raise ConfigError(f"--base {base}: no such directory")
+    if recorded.get("kind") == "mcore" and open_source(found).kind == "mcore":
+        found = open_source(found).path  # a directory of checkpoints: the latest, as training
+    if recorded.get("fingerprint") and fingerprint(found) != recorded["fingerprint"]:
+        raise ConfigError(f"--base {base}: not the base {source.path} was trained on (its "
+                          f"fingerprint {fingerprint(found)} is not the recorded "
+                          f"{recorded['fingerprint']} of {recorded.get('path')})")
+    return str(found)

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import difflib
 
-from ray_ppu.config.lora import COLUMN_TARGETS, DENSE_TARGETS, MOE_TARGETS, TRAINABLE_PARTS
+from ray_ppu.config.lora import (ALL_LINEAR, COLUMN_TARGETS, DENSE_TARGETS, HF_TARGETS,
+                                 MOE_TARGETS, TRAINABLE_PARTS, canonical_targets)
 from ray_ppu.config.schema import RunConfig
 
 
@@ -32,20 +33,22 @@ def problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     own = MOE_TARGETS if m.is_moe else DENSE_TARGETS
     found = []
     for name in lora.target_modules:
-        if name in own:
+        if set(canonical_targets(name, m.is_moe)) <= set(own):
             continue
         if name in DENSE_TARGETS + MOE_TARGETS:
             why = (f"a MoE model has no dense MLP (each expert's is experts.{name})"
                    if m.is_moe else "the model has no experts (model.num_moe_experts is null)")
             found.append(f"lora.target_modules '{name}': {why}")
         else:
-            found.append(f"lora.target_modules: unknown module '{name}'{_close(name, own)}; "
-                         f"this model's linears are {', '.join(own)}")
+            known = (*own, *HF_TARGETS, *ALL_LINEAR)
+            found.append(f"lora.target_modules: unknown module '{name}'{_close(name, known)}; "
+                         f"this model's linears are {', '.join(own)} (or as Hugging Face "
+                         f"names them: {', '.join(HF_TARGETS)}; all-linear)")
     targets = lora.targets(m.is_moe)
     for key, pattern, low in (("rank_pattern", lora.rank_pattern, "≥ 1"),
                               ("alpha_pattern", lora.alpha_pattern, "> 0")):
         for name, value in pattern.items():
-            if name not in targets:
+            if not set(canonical_targets(name, m.is_moe)) & set(targets):
                 found.append(f"lora.{key} names '{name}', which is not a target"
                              f"{_close(name, targets)} (targets: {', '.join(targets)})")
             elif value < 1 if key == "rank_pattern" else value <= 0:

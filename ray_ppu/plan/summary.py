@@ -93,7 +93,10 @@ def _lora(cfg: RunConfig, plan) -> list[str]:
     if not cfg.lora.enabled:
         return []
     lora, share = cfg.lora, plan.num_trainable_parameters / plan.num_parameters
-    ranks = ", ".join(f"{t} r{lora.rank_of(t)}" for t in lora.targets(cfg.model.is_moe))
+    spelled = lora.spelled(cfg.model.is_moe)  # the names the config gave, where not these
+    ranks = ", ".join(f"{t} r{lora.rank_of(t)}"
+                      + (f" (from {', '.join(spelled[t])})" if t in spelled else "")
+                      for t in lora.targets(cfg.model.is_moe))
     also = f"; also training {', '.join(lora.trainable)}" if lora.trainable else ""
     return [f"trainable: {_count(plan.num_trainable_parameters)} of "
             f"{_count(plan.num_parameters)} parameters ({share:.2%}), "

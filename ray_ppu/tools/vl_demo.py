@@ -46,24 +46,22 @@ def colour_accuracy(checkpoint: str, heldout: str, image_root: str, tokenizer: s
     process, the model loaded once): the share whose first word is the image's colour."""
     import torch
 
-    from ray_ppu.data.tokenizer import load_tokenizer
     from ray_ppu.model import parallel
-    from ray_ppu.offline import inference
-    from ray_ppu.offline.image_prompt import pixel_values, prompt_ids
+    from ray_ppu.offline import generation, inference
 
-    source = inference.open_source(checkpoint)
-    cfg, plan = inference.inference_config(source.model, 1, device="cpu", vision=source.vision)
+    setup = generation.setup(checkpoint, tokenizer=tokenizer, device="cpu")
     records = [json.loads(line) for line in open(heldout, encoding="utf-8")]
-    decoder = load_tokenizer(tokenizer)
     answers = []
-    with parallel.process_group("cpu"), inference.built_model(cfg, plan, "cpu") as chunks:
-        inference.load_weights(chunks, source, cfg, plan)
-        ids, stops = prompt_ids(tokenizer, QUESTIONS["colour"], 1, source.vision)
+    with parallel.process_group("cpu"), \
+            inference.built_model(setup.cfg, setup.plan, "cpu") as chunks:
+        inference.load_weights(chunks, setup.source, setup.cfg, setup.plan, **setup.adapters)
         for record in records:
-            pixels = pixel_values([str(Path(image_root) / record["image"])], source.vision, None)
-            new, _ = inference.greedy(chunks, ids, source.model.vocab_size, torch.device("cpu"),
-                                      4, tuple(stops), pixels)
-            answers.append(decoder.decode(new).split("<|im_end|>")[0].strip())
+            prompt = generation.Prompt(QUESTIONS["colour"],
+                                       images=(str(Path(image_root) / record["image"]),))
+            new, _ = generation.continue_prompt(
+                chunks, setup.encode(prompt), setup.source.model.vocab_size,
+                torch.device("cpu"), generation.Sampling(max_new_tokens=4))
+            answers.append(setup.decode(new).split("<|im_end|>")[0].strip())
     right = sum(a.split(".")[0].strip().lower() == r["colour"] for a, r in zip(answers, records))
     return {"images": len(records), "right": right, "accuracy": right / len(records),
             "chance": 1 / len(COLOURS), "examples": [

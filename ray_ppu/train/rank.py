@@ -139,10 +139,11 @@ class _RankDuties:
         self.logged: dict = {}  # the last training row as logged: the final result carries it
         self.timeline = {"entered": time.perf_counter()}
         self.root = checkpoint.save_root(cfg)
+        origin = (resume.origin if isinstance(resume, MemoryPoint)
+                  else checkpoint.origin(cfg, resume))
         self.saver = checkpoint.Saver(self.root, plan, cfg, with_cuda_rng=backend == "ppu",
-                                      async_save=cfg.checkpoint.async_save,
-                                      origin=resume.origin if isinstance(resume, MemoryPoint)
-                                      else checkpoint.origin(cfg, resume))
+                                      async_save=cfg.checkpoint.async_save, origin=origin,
+                                      carried=_carried(cfg, origin) if self.rank0 else None)
         self.state = None
 
     def hooks(self):
@@ -367,3 +368,14 @@ def _image_spec(cfg: RunConfig):
     from ray_ppu.data.sft.image_samples import vision_data
 
     return vision_data(cfg).spec
+
+
+def _carried(cfg: RunConfig, origin: dict) -> dict:
+    """What the run's checkpoints carry to be used on their own: its tokenizer, generation
+    config and image processor (:mod:`ray_ppu.checkpoint.processor`)."""
+    if not cfg.checkpoint.enabled:
+        return {}
+    from ray_ppu.checkpoint.processor import gather
+    from ray_ppu.data.sft.image_samples import processor_file
+
+    return gather(cfg, origin.get("hf_source"), processor_file(cfg))

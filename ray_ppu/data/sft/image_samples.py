@@ -103,15 +103,47 @@ def native_spec(vision, model_dir=None) -> NativeImageSpec:
 
 def vision_data(cfg) -> VisionData:
     """The image settings of a vision-language run (``cfg``: its RunConfig), its image
-    processor that of checkpoint.pretrained (:func:`image_spec`, :func:`native_spec`)."""
-    vision = cfg.vision
+    processor that of data.image_processor, else of checkpoint.pretrained
+    (:func:`image_spec`, :func:`native_spec`)."""
+    vision, model_dir = cfg.vision, processor_dir(cfg)
     if vision.native:
-        return VisionData(vision.image_token_id, 3, native_spec(vision, cfg.checkpoint.pretrained),
+        return VisionData(vision.image_token_id, 3, native_spec(vision, model_dir),
                           cfg.data.max_image_pixels, cfg.data.image_root,
                           vision.vision_start_token_id)
     return VisionData(vision.image_token_id, vision.image_tokens,
-                      image_spec(vision, cfg.checkpoint.pretrained),
+                      image_spec(vision, model_dir),
                       cfg.data.max_image_pixels, cfg.data.image_root)
+
+
+def processor_dir(cfg) -> Optional[str]:
+    """Whose preprocessor_config.json prepares a run's images: data.image_processor (the
+    launch fills it in: :func:`ray_ppu.checkpoint.processor.image_processor_dir`), else
+    checkpoint.pretrained; None: the encoder's default."""
+    return cfg.data.image_processor or cfg.checkpoint.pretrained
+
+
+def processor_file(cfg) -> Optional[bytes]:
+    """The ``preprocessor_config.json`` a vision-language run's images are prepared by (None:
+    a text model): its source's file as it is when its values are the ones in effect, else
+    the values in effect written over it (Qwen2.5-VL's pixel bounds come from the vision
+    section), so that transformers prepares images alike."""
+    import json
+
+    from ray_ppu.data.images import PROCESSOR_FILE
+
+    if not cfg.vision.enabled:
+        return None
+    model_dir, spec = processor_dir(cfg), vision_data(cfg).spec
+    if model_dir is not None and not (Path(model_dir) / PROCESSOR_FILE).is_file():
+        model_dir = None
+    if model_dir is None:
+        return (json.dumps(spec.to_hf(), indent=2) + "\n").encode()
+    path = Path(model_dir) / PROCESSOR_FILE
+    given = json.loads(path.read_text())
+    as_given = (NativeImageSpec if cfg.vision.native else ImageSpec).from_hf(given, str(path))
+    if as_given == spec:
+        return path.read_bytes()
+    return (json.dumps({**given, **spec.to_hf()}, indent=2) + "\n").encode()
 
 
 def check_fit(vision: VisionData, row_length: int, n_images: int) -> None:
