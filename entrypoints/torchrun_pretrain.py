@@ -32,10 +32,12 @@ from ray_ppu.data import idxmap, inprocess  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
 from ray_ppu.monitor.report import write_report  # noqa: E402
 from ray_ppu.launch.output import absolute_paths, prepare_output  # noqa: E402
+from ray_ppu.errors import ConfigError, UserError, entry_point  # noqa: E402
+from ray_ppu.errors import report_before_group  # noqa: E402
 from ray_ppu.train.rank import train_rank  # noqa: E402
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML run config")
     parser.add_argument("--variants", help="JSON file {name: [section.field=value, ...]}: "
@@ -44,20 +46,18 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    try:  # every rank finds the same mistake: one line, before any process group
+        runs = _checked(args, int(os.environ.get("WORLD_SIZE", 1)))
+    except (UserError, ValueError) as err:
+        return report_before_group(err)
 
-    variants = {"": []}
-    if args.variants:
-        variants = json.loads(Path(args.variants).read_text())
-    base = load(args.config, args.overrides)
-    backend = devices.resolve(base.cluster.device)
+    backend = devices.resolve(runs[0][1].cluster.device)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if backend == "ppu":  # before NCCL and the memory counters: both need this rank's device
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=devices.dist_backend(backend))
     try:
-        for name, extra in variants.items():
-            out = [f"output.dir={Path(base.output.dir) / name}"] if name else []
-            cfg = absolute_paths(load(args.config, [*args.overrides, *extra, *out]))
+        for name, cfg in runs:
             if backend == "ppu":  # each variant's own peak, on this rank's device
                 torch.cuda.reset_peak_memory_stats(local_rank)
             final = train(cfg, backend)
@@ -65,6 +65,34 @@ def main() -> None:
                 print(json.dumps({"variant": name, "final": final} if name else {"final": final}))
     finally:
         dist.destroy_process_group()
+    return 0
+
+
+def _checked(args: argparse.Namespace, world_size: int) -> list[tuple[str, object]]:
+    """(variant name, config) of every run, each checked against the path and the world
+    torchrun started: a bad key, an SFT corpus, a plan for another world size."""
+    variants = {"": []}
+    if args.variants:
+        try:
+            variants = json.loads(Path(args.variants).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"--variants {args.variants}: {err}") from None
+    base = load(args.config, args.overrides)
+    runs = []
+    for name, extra in variants.items():
+        out = [f"output.dir={Path(base.output.dir) / name}"] if name else []
+        cfg = absolute_paths(load(args.config, [*args.overrides, *extra, *out]))
+        if cfg.data.dataset != "idxmap":
+            raise ConfigError(f"data.dataset={cfg.data.dataset}: the torchrun path trains "
+                              f"idxmap corpora; train SFT data with entrypoints/pretrain.py")
+        plan = build_plan(cfg)
+        if plan.world_size != world_size:
+            raise ConfigError(f"torchrun started {world_size} processes, the plan is for "
+                              f"{plan.world_size} (cluster.num_workers="
+                              f"{cfg.cluster.num_workers}): set --nproc-per-node × --nnodes "
+                              f"to it, or cluster.num_workers={world_size}")
+        runs.append((name, cfg))
+    return runs
 
 
 def train(cfg, backend) -> dict:
@@ -100,4 +128,4 @@ def _weights_to_load(cfg):
     return resume
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main))

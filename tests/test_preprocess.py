@@ -207,6 +207,13 @@ def test_strict_mode_and_corrupt_files_fail_naming_the_file(ray_cluster, hf, tmp
         preprocess_with_ray([shard], prefix, hf, json_key="content", strict=True, workers=1)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())  # nothing half-written
 
+    # a wrong --json-key skips every record: an error, not a 0-byte corpus and exit 0
+    with pytest.raises(PreprocessError, match=re.escape(
+            f"no usable document in the input (missing: 2); first: {shard}: line 1: has no "
+            f"'text' field; is --json-key 'text' the field that holds the text?")):
+        preprocess_with_ray([shard], prefix, hf, workers=1)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
     corrupt = tmp_path / "corrupt.jsonl"
     _write_jsonl(corrupt, [{"text": "fine"}, "{truncated\n"])
     with pytest.raises(PreprocessError, match="^" + re.escape(f"{corrupt}: line 2: invalid JSON")):

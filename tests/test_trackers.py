@@ -251,3 +251,19 @@ def test_no_tracker_imports_none_and_a_missing_package_is_one_line(tmp_path, mon
     assert trackers.problems(["mlflow"]) == [
         "output.trackers: mlflow needs its package: pip install no_such_module_here (or pip "
         "install 'ray-ppu[trackers]')"]
+    # a launch starts its feed before its local checks: the feed refuses with the same line
+    # (a misspelt name was a KeyError traceback there), and nothing is written
+    from ray_ppu.config.loader import load
+    from ray_ppu.errors import ConfigError
+    from ray_ppu.plan import build_plan
+
+    cfg = load(None, ["training.train_iters=2", "data.data_path=[c]",
+                      f"output.dir={tmp_path / 'run'}", "output.trackers=[mlfow, mlflow]"])
+    with pytest.raises(ConfigError) as err:
+        with trackers.feeding(cfg, build_plan(cfg)):
+            pass
+    assert str(err.value) == (
+        "output.trackers: unknown tracker 'mlfow' (known: mlflow, wandb); output.trackers: "
+        "mlflow needs its package: pip install no_such_module_here (or pip install "
+        "'ray-ppu[trackers]')")
+    assert not (tmp_path / "run").exists()

@@ -102,15 +102,21 @@ def _assert_one_error_line(proc: subprocess.CompletedProcess, problem: str) -> N
     assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", output)) <= {"2", "-15"}, output[-3000:]
 
 
-def test_generate_and_convert_under_torchrun_with_impossible_tp_are_one_error_line(
+def test_generate_convert_and_train_under_torchrun_with_impossible_layouts_are_one_error_line(
         one_kv_head_model, tmp_path):
     out = tmp_path / "mcore"
     generate = _torchrun("generate.py", "--checkpoint", str(one_kv_head_model),
                          "--token-ids", "5,17,300", "--max-new-tokens", "1", "--tp", "2")
     convert = _torchrun("convert_checkpoint.py", "hf-to-mcore", "--hf", str(one_kv_head_model),
                         "--out", str(out), "--tp", "2")
+    # the torchrun training path: a plan for another world than torchrun started
+    train = _torchrun("torchrun_pretrain.py", "cluster.device=cpu", "cluster.num_workers=4",
+                      f"data.data_path=[{tmp_path / 'corpus'}]", "training.train_iters=1",
+                      f"output.dir={tmp_path / 'run'}")
     _assert_one_error_line(_finished(generate), "num_query_groups 1 is not divisible by TP 2")
     _assert_one_error_line(_finished(convert), "num_query_groups 1 is not divisible by TP 2")
+    _assert_one_error_line(_finished(train), "torchrun started 2 processes, the plan is for 4 "
+                                             "(cluster.num_workers=4)")
     assert not out.exists()
 
 

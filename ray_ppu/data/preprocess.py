@@ -263,6 +263,15 @@ def _skip_message(key: str, reason: str, source: str, where: str) -> str:
     return f"{source}: {where}: {what}"
 
 
+def _nothing_usable(key: str, skipped: dict, first_skip: dict) -> str:
+    """The error of a corpus with no usable document: the counts by reason and the first."""
+    counts = ", ".join(f"{reason}: {n}" for reason, n in skipped.items() if n) or "no records"
+    hint = (f"; is --json-key {key!r} the field that holds the text?"
+            if skipped["missing"] or skipped["not_string"] else "")
+    first = f"; first: {next(iter(first_skip.values()))}" if first_skip else ""
+    return f"no usable document in the input ({counts}){first}{hint}"
+
+
 def _tokenized_dataset(files: list[str], json_key: str, tokenizer: Tokenizer, workers: int):
     """Rows of (ids, skip, source, where), one per input record, in input order."""
     # One read task per file: with fewer files than its target parallelism Ray Data would split
@@ -331,6 +340,8 @@ def preprocess_with_ray(inputs: Sequence[str | Path], output_prefix: str | Path,
                     skipped[reason] += 1
                     first_skip.setdefault(reason, _skip_message(json_key, reason, source, where))
                 start = int(end)
+        if documents == 0:  # an empty corpus trains nothing: say why, write nothing
+            raise PreprocessError(_nothing_usable(json_key, skipped, first_skip))
         builder.finalize(str(tmp_idx))
     except BaseException as err:
         builder.data_file.close()

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from ray_ppu.errors import ConfigError
 from ray_ppu.monitor.tracker_clients import CLIENTS, PACKAGES
 
 log = logging.getLogger("ray_ppu")
@@ -252,6 +253,9 @@ def feeding(cfg, plan) -> Iterator[Optional[Feed]]:
     if not cfg.output.trackers:
         yield None
         return
+    found = problems(cfg.output.trackers)
+    if found:  # the launch's local checks come after the feed starts: say it here, one line
+        raise ConfigError("; ".join(found))
     out = Path(cfg.output.dir)
     state_path = out / STATE_FILE
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
