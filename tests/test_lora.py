@@ -640,3 +640,29 @@ def _run_layouts(jobs: dict) -> None:
 
 if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: guard needed
     _run_layouts(json.loads(Path(sys.argv[1]).read_text()))
+
+
+def test_the_summary_names_the_exports_a_lora_run_allows(qwen2_tokenizer_dir):
+    """--dry-run says what a LoRA run's checkpoints export to: a PEFT adapter (a trained
+    projector or merger as modules_to_save) unless a part outside those trains in full."""
+    from ray_ppu.config.loader import load
+    from ray_ppu.plan import build_plan
+    from ray_ppu.plan.summary import _lora
+
+    def exports(*overrides):
+        cfg = load(None, ["lora.enabled=true", "checkpoint.load=/x", "training.train_iters=1",
+                          "training.eval_iters=0", "data.data_path=[/x]", *overrides])
+        return _lora(cfg, build_plan(cfg))[1]
+
+    vl = ["data.dataset=sft", f"data.tokenizer={qwen2_tokenizer_dir}"]
+    assert exports() == "exports: a PEFT adapter, or the merged model (--merge)"
+    assert exports("lora.trainable=[norms]") == (
+        "exports: the merged model (--merge) only: norms trains in full, which a PEFT adapter "
+        "does not carry")
+    assert exports("model.preset=tiny-qwen-vl", *vl) == (
+        "exports: a PEFT adapter (the merger as modules_to_save), or the merged model (--merge)")
+    assert exports("model.preset=tiny-vl", "vision.freeze=[vision, projector]", *vl) == \
+        "exports: a PEFT adapter, or the merged model (--merge)"
+    assert exports("model.preset=tiny-vl", "vision.freeze=[]", *vl).startswith(
+        "exports: the merged model (--merge) only: the vision tower trains in full")
+

@@ -139,6 +139,25 @@ def test_round_trip_through_tp2_and_pp2_is_bit_exact(qwen_dir, launched, tmp_pat
                           "dtype": "float32"}
     reference = _reference(qwen_dir)
     assert torch.equal(_hf_logits(_loaded(tmp_path / "tp2"), reference), reference["logits"])
+    # what Qwen2_5_VLProcessor reads besides: its class, and a chat template that takes an
+    # image entry (the processor itself needs torchvision for its video half, not installed
+    # here: its template is applied through the tokenizer, its image pad expanded as it does)
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "tp2"
+    assert json.loads((out / "processor_config.json").read_text()) == {
+        "processor_class": "Qwen2_5_VLProcessor"}
+    template = json.loads((out / "chat_template.json").read_text())["chat_template"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
+        chat_template=template, add_generation_prompt=True, tokenize=False)
+    tokens = int(reference["grid"].prod()) // 4
+    assert tokenizer(text.replace("<|image_pad|>", "<|image_pad|>" * tokens))["input_ids"] == \
+        reference["ids"]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                         chat_template=template, tokenize=False) == \
+        tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False)
 
 
 def test_an_export_without_its_source_config_writes_one_transformers_loads(qwen_dir, launched,
@@ -189,6 +208,23 @@ def test_peft_export_loads_on_transformers_model_with_the_lora_models_logits(
     adapted = {n.rpartition(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A" in n}
     assert len(adapted) == 2 * 7 and not any("visual" in n for n in adapted)
     ours = torch.load(launched / "lora_logits.pt")
+    assert (_hf_logits(model, _reference(qwen_dir)) - ours).abs().max() <= 1e-4
+
+
+def test_a_trained_merger_is_exported_as_modules_to_save(qwen_dir, launched, tmp_path):
+    """A LoRA run that trained the merger too: its PEFT export carries the merger as
+    modules_to_save, and PeftModel on the base gives the run's logits, which the merger moved."""
+    from peft import PeftModel
+
+    from ray_ppu.offline.lora_export import export_peft
+
+    summary = export_peft(launched / "lora_merger", tmp_path / "peft")
+    assert summary["modules_to_save"] == ["visual.merger"]
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["visual.merger"]
+    model = PeftModel.from_pretrained(_loaded(qwen_dir), tmp_path / "peft").eval()
+    ours = torch.load(launched / "lora_merger_logits.pt")
+    assert (ours - torch.load(launched / "lora_logits.pt")).abs().max() > 1e-3
     assert (_hf_logits(model, _reference(qwen_dir)) - ours).abs().max() <= 1e-4
 
 
@@ -260,10 +296,25 @@ def _lora_checkpoint(jobs: dict, base: str, out: Path) -> None:
             torch.save(logits, out / "lora_logits.pt")
 
         # what a LoRA run's training save holds: the adapters, and its lora section in meta
-        saver.Saver(out / "lora", plan, cfg, origin={
-            "base": {"path": base, "kind": "mcore", "fingerprint": "test"},
-            "hf_source": jobs["hf"], "hf_config": source.meta.hf_config,
-        }).save(1, chunks, None, None, trained_only=True)
+        origin = {"base": {"path": base, "kind": "mcore", "fingerprint": "test"},
+                  "hf_source": jobs["hf"], "hf_config": source.meta.hf_config}
+        saver.Saver(out / "lora", plan, cfg, origin=origin).save(1, chunks, None, None,
+                                                                 trained_only=True)
+        # a run that trained the merger too (vision.freeze=[vision] with LoRA): its logits
+        # and checkpoint, the merger saved beside the adapters
+        torch.manual_seed(4)
+        with torch.no_grad():
+            for name, param in chunks[0].named_parameters():
+                if ".merger." in name:
+                    param.add_(torch.randn_like(param) * 0.05).requires_grad_(True)
+        logits = inference.prompt_logits(
+            chunks, reference["ids"], source.model.vocab_size, torch.device("cpu"),
+            (reference["pixels"], reference["grid"]),
+            positions_of=lambda _tokens: reference["positions"])
+        if dist.get_rank() == 0:
+            torch.save(logits, out / "lora_merger_logits.pt")
+        saver.Saver(out / "lora_merger", plan, cfg, origin=origin).save(
+            1, chunks, None, None, trained_only=True)
 
 
 def _run(jobs: dict) -> None:

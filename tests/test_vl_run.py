@@ -101,14 +101,13 @@ def test_stage2_lora_checkpoint_merges_into_a_llava_model(stage2, tiny_llava_dir
     from transformers import LlavaForConditionalGeneration
 
     from ray_ppu.checkpoint.layout import latest, save_root
-    from ray_ppu.errors import ConfigError
     from ray_ppu.hf.files import read_all
     from ray_ppu.offline.lora_export import export_merged, export_peft
 
     _, meta = latest(save_root(stage2["cfg"]))  # it records the vision section export reads
     assert meta.vision["encoder"] == "siglip" and meta.vision["freeze"] == ["vision"]
-    with pytest.raises(ConfigError, match="vision-language LoRA run: export it with --merge"):
-        export_peft(save_root(stage2["cfg"]), tmp_path / "peft")
+    adapter = export_peft(save_root(stage2["cfg"]), tmp_path / "peft")
+    assert adapter["modules_to_save"] == ["multi_modal_projector"]  # the projector trained
     summary = export_merged(save_root(stage2["cfg"]), tmp_path / "hf")
     original, merged = dict(read_all(tiny_llava_dir)), dict(read_all(summary["out"]))
     assert sorted(original) == sorted(merged)
@@ -119,10 +118,23 @@ def test_stage2_lora_checkpoint_merges_into_a_llava_model(stage2, tiny_llava_dir
                and n.endswith("proj.weight")}  # q k v o gate up down: LoRA's default targets
     assert tower and not moved & tower  # frozen: bit-identical
     assert moved == projector | adapted, moved ^ (projector | adapted)  # norms, embedding kept
-    hf = LlavaForConditionalGeneration.from_pretrained(summary["out"])
-    pixels = torch.zeros(1, 3, 32, 32)
+    hf = LlavaForConditionalGeneration.from_pretrained(summary["out"]).eval()
+    pixels = torch.rand(1, 3, 32, 32) * 2 - 1
     ids = torch.tensor([[hf.config.image_token_id] * 16 + [1, 2, 3]])
-    assert torch.isfinite(hf(input_ids=ids, pixel_values=pixels).logits).all()
+    with torch.no_grad():
+        merged_logits = hf(input_ids=ids, pixel_values=pixels).logits
+    assert torch.isfinite(merged_logits).all()
+    # the PEFT adapter (LoRA on the language model, the projector as modules_to_save) on the
+    # LLaVA base the run started from gives the merged model's logits
+    from peft import PeftModel
+
+    base = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir).eval()
+    with torch.no_grad():
+        before = base(input_ids=ids, pixel_values=pixels).logits
+        with_adapter = PeftModel.from_pretrained(base, tmp_path / "peft").eval()(
+            input_ids=ids, pixel_values=pixels).logits
+    assert (with_adapter - merged_logits).abs().max() <= 1e-4
+    assert (before - merged_logits).abs().max() > 1e-2  # the adapter moved them
 
 
 @pytest.mark.slow
@@ -173,8 +185,9 @@ def test_the_lora_checkpoint_generates_on_its_own_as_its_merged_export(stage2, c
                                                                        tmp_path):
     """generate.py on the LoRA checkpoint alone (no --tokenizer; the tokenizer, chat template
     and image processor are the ones it carries) gives the logits transformers gives for its
-    merged export, prompted through the export's own image processor; every file it and the
-    export hold is readable by all. A moved base is found with --base (checked by content)
+    merged export, prompted as transformers users prompt it (AutoProcessor: the export's chat
+    template with an image, its image processor), whose ids are generate.py's; every file it
+    and the export hold is readable by all. A moved base is found with --base (checked by content)
     by generation and merging alike; another model as --base is refused."""
     import json
     import shutil
@@ -184,7 +197,7 @@ def test_the_lora_checkpoint_generates_on_its_own_as_its_merged_export(stage2, c
     from pathlib import Path
 
     from PIL import Image
-    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from conftest import REPO
     from ray_ppu.checkpoint.layout import latest, save_root
@@ -213,11 +226,16 @@ def test_the_lora_checkpoint_generates_on_its_own_as_its_merged_export(stage2, c
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ours["checkpoint"] == str(path) and ours["prompt_ids"][0] == 151_644  # <|im_start|>
+    # the export as transformers users prompt it: AutoProcessor, its chat template, the image
+    processor = AutoProcessor.from_pretrained(summary["out"])
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": QUESTIONS["colour"]}]}],
+        add_generation_prompt=True)
+    batch = processor(images=[Image.open(image).convert("RGB")], text=[text], return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == ours["prompt_ids"]
     merged = LlavaForConditionalGeneration.from_pretrained(summary["out"]).eval()
-    pixels = AutoImageProcessor.from_pretrained(summary["out"])(
-        images=Image.open(image).convert("RGB"), return_tensors="pt").pixel_values
     with torch.no_grad():
-        theirs = merged(input_ids=torch.tensor([ours["prompt_ids"]]), pixel_values=pixels).logits[0]
+        theirs = merged(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"]).logits[0]
     logits = torch.tensor(json.loads((tmp_path / "logits.json").read_text())["logits"])
     assert (logits - theirs[:, :logits.shape[1]]).abs().max() <= 1e-4
 

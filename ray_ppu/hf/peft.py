@@ -283,11 +283,13 @@ def to_peft(model: ModelConfig, target: str, layer: int, a: torch.Tensor,
 
 
 def adapter_config(model: ModelConfig, lora: LoraConfig, base: Optional[str],
-                   layers: Optional[str] = None) -> dict:
+                   layers: Optional[str] = None,
+                   modules_to_save: Optional[list[str]] = None) -> dict:
     """adapter_config.json for the exported adapter: the most common rank and alpha as r and
     lora_alpha, the others in rank_pattern / alpha_pattern. ``layers``: the language model's
     layers' prefix in a vision-language model (``model.language_model.layers``): the targets
-    are then matched under it alone."""
+    are then matched under it alone. ``modules_to_save``: modules saved whole (a trained
+    projector)."""
     targets = lora.targets(model.is_moe)
     short = {t: [n.rpartition(".")[2] for n in HF_MODULES[t][1]]
              for t in targets if t in HF_MODULES}
@@ -314,7 +316,7 @@ def adapter_config(model: ModelConfig, lora: LoraConfig, base: Optional[str],
         or None,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": modules_to_save, "inference_mode": True,
     }
 
 

@@ -6,9 +6,11 @@ adapters are read one layer at a time, whatever layout saved them.
 
 * :func:`export_peft`: ``adapter_config.json`` + ``adapter_model.safetensors``, which
   ``peft.PeftModel.from_pretrained`` loads onto the base (:func:`ray_ppu.hf.peft.to_peft`
-  splits a fused adapter into q / k / v and gate / up adapters sharing its A). Qwen2.5-VL's
-  adapters go onto ``Qwen2_5_VLForConditionalGeneration``'s language model, named as PEFT
-  finds it in transformers 5 (:data:`VL_LAYERS`); LLaVA's are refused (use --merge).
+  splits a fused adapter into q / k / v and gate / up adapters sharing its A). A
+  vision-language model's adapters go onto its language model, named as PEFT finds it on
+  transformers 5's ``LlavaForConditionalGeneration`` / ``Qwen2_5_VLForConditionalGeneration``
+  (:data:`VL_LAYERS`), and a trained projector or merger as PEFT's ``modules_to_save``; a
+  trained ViT or other base part is refused (use --merge).
 * :func:`export_merged`: every weight of the base with ``(alpha / r)·B·A`` added to each
   adapted one (in fp32, then cast), and the base parts the run trained taken from the
   checkpoint: a plain Hugging Face model. From a Hugging Face base its tensors are streamed
@@ -32,7 +34,7 @@ import torch
 from ray_ppu.checkpoint.processor import carried
 from ray_ppu.config.lora import LoraConfig, is_adapter_key
 from ray_ppu.errors import ConfigError
-from ray_ppu.hf import llava_weights, peft, weights
+from ray_ppu.hf import llava_weights, peft, qwen_vl, weights
 from ray_ppu.hf.files import (INDEX_FILE, MAX_SHARD_BYTES, PUBLIC_FILE_MODE, Checkpoint,
                               ShardedWriter)
 from ray_ppu.offline.mcore_to_hf import (DTYPES, GENERATION_CONFIG, TOKENIZER_FILES, _layer_slabs,
@@ -55,8 +57,13 @@ def lora_source(path: str | Path) -> tuple[Source, LoraConfig]:
     return source, LoraConfig(**source.meta.lora)
 
 
-# Qwen2.5-VL's language model layers as PEFT names them on transformers 5's module tree
+# A vision-language model's language model layers as PEFT names them on transformers 5's
+# module tree (Qwen2_5_VLForConditionalGeneration and LlavaForConditionalGeneration alike)
 VL_LAYERS = "model.language_model.layers"
+# The image-side part a LoRA run may train in full, by vision.native: (its stored keys'
+# prefix, the module PEFT's modules_to_save names)
+SAVED_MODULES = {False: (llava_weights.PROJECTOR, "multi_modal_projector"),
+                 True: (qwen_vl.TOWER + "merger.", "visual.merger")}
 _MODEL_PREFIXES = ("decoder", "embedding", "output_layer")  # not optimizer, rng, scheduler
 _IMAGE_PREFIXES = (llava_weights.VISION, llava_weights.PROJECTOR)
 
@@ -110,19 +117,21 @@ def _adapters(slabs: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def export_peft(checkpoint: str | Path, out: str | Path) -> dict:
-    """Write the PEFT adapter of a LoRA checkpoint into ``out``; returns a summary."""
+    """Write the PEFT adapter of a LoRA checkpoint into ``out``; returns a summary. A
+    vision-language run's trained projector (LLaVA) or merger (Qwen2.5-VL) goes in as PEFT's
+    ``modules_to_save``, which ``PeftModel.from_pretrained`` loads over the base's."""
     started = time.perf_counter()
     source, lora = lora_source(checkpoint)
-    model, native = source.model, source.vision.native
-    if source.vision.enabled and not native:
-        raise ConfigError(f"{source.path} is a vision-language LoRA run: export it with "
-                          f"--merge (a LLaVA model); PEFT adapters for LLaVA are not written yet")
+    model, vision = source.model, source.vision
     trained = _Trained(source)
-    if trained.parts or trained.image_parts:
-        what = lora.trainable + (["the vision tower"] if trained.image_parts else [])
+    saved = SAVED_MODULES.get(vision.native) if vision.enabled else None
+    projector = [k for k in trained.image_parts if saved and k.startswith(saved[0])]
+    if trained.parts or len(projector) < len(trained.image_parts):
+        what = lora.trainable + (["the vision tower"] if len(projector) < len(
+            trained.image_parts) else [])
         raise ConfigError(f"{source.path} also trained {', '.join(what)} (full weights, which "
                           f"a PEFT adapter does not carry): export it with --merge")
-    language = ((lambda name: VL_LAYERS + name.removeprefix("model.layers")) if native
+    language = ((lambda name: VL_LAYERS + name.removeprefix("model.layers")) if vision.enabled
                 else (lambda name: name))
     out = Path(out).expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -131,6 +140,8 @@ def export_peft(checkpoint: str | Path, out: str | Path) -> dict:
     for layer in range(model.num_layers):
         for target, (a, b) in _adapters(trained.layer(layer)).items():
             tensors.update(peft.to_peft(model, target, layer, a, b, experts, language))
+    for key, tensor in trained._read(projector, None).items():
+        tensors.update(_saved_module_tensors(source, key, tensor))
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / peft.WEIGHTS_FILE),
@@ -138,12 +149,24 @@ def export_peft(checkpoint: str | Path, out: str | Path) -> dict:
     os.chmod(out / peft.WEIGHTS_FILE, PUBLIC_FILE_MODE)
     config = peft.adapter_config(model, lora, source.meta.hf_source or
                                  (source.meta.base or {}).get("path"),
-                                 VL_LAYERS if native else None)
+                                 VL_LAYERS if vision.enabled else None,
+                                 [saved[1]] if projector else None)
     (out / peft.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return {"checkpoint": str(source.path), "out": str(out), "format": "peft",
             "tensors": len(tensors), "bytes": sum(t.numel() * t.element_size()
                                                  for t in tensors.values()),
+            "modules_to_save": [saved[1]] if projector else [],
             "seconds": time.perf_counter() - started}
+
+
+def _saved_module_tensors(source: Source, key: str, tensor: torch.Tensor) -> dict:
+    """A trained projector / merger tensor under its PEFT name: the transformers 5 module
+    path (``model.multi_modal_projector.linear_1.weight``) after PEFT's prefix."""
+    if source.vision.native:
+        names = [(qwen_vl.EXPORT_NAMES.tower + key[len(qwen_vl.TOWER):], tensor)]
+    else:
+        names = llava_weights.image_to_hf(source.model, source.vision, key, None, tensor)
+    return {f"{peft.PREFIX}model.{name}": part for name, part in names}
 
 
 def _deltas(model, lora: LoraConfig, slabs: dict) -> dict:

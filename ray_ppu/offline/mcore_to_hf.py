@@ -28,6 +28,7 @@ from ray_ppu.data.images import PROCESSOR_FILE, image_spec
 from ray_ppu.errors import ConfigError
 from ray_ppu.hf import config as hf_config
 from ray_ppu.hf import llava, llava_weights, qwen_vl, weights
+from ray_ppu.hf.processor import PROCESSOR_CONFIG, processor_files
 from ray_ppu.hf.files import INDEX_FILE, MAX_SHARD_BYTES, PUBLIC_FILE_MODE, ShardedWriter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -94,7 +95,7 @@ def read_regions(reader, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]
 def _copy_side_files(sources: list[Path], out: Path) -> list[str]:
     """Tokenizer files and generation config from the first source directory holding each."""
     copied = []
-    for name in (*TOKENIZER_FILES, GENERATION_CONFIG, PROCESSOR_FILE):
+    for name in (*TOKENIZER_FILES, GENERATION_CONFIG, PROCESSOR_FILE, PROCESSOR_CONFIG):
         for source in sources:
             if (source / name).is_file():
                 shutil.copyfile(source / name, out / name)
@@ -277,7 +278,8 @@ def _export_tower(reader, stored: dict, add: Callable, adjust: Callable) -> None
 
 def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[str]:
     """Tokenizer files, generation config and a vision-language model's image processor
-    config: copied from the first source holding each, else written from the config."""
+    config: copied from the first source holding each, else written from the config; and
+    the processor config and image-taking chat template :mod:`ray_ppu.hf.processor` writes."""
     copied = _copy_side_files(sources, out)
     if GENERATION_CONFIG not in copied:
         text = config.get("text_config", config)
@@ -289,4 +291,9 @@ def _side_files(out: Path, sources: list[Path], config: dict, vision) -> list[st
         spec = native_spec(vision, None) if vision.native else image_spec(vision)
         (out / PROCESSOR_FILE).write_text(json.dumps(spec.to_hf(), indent=2) + "\n")
         copied.append(PROCESSOR_FILE)
+    if vision.enabled:  # what AutoProcessor needs to prompt it with images
+        for name, text in processor_files(vision, out).items():
+            if name not in copied:
+                (out / name).write_text(text)
+                copied.append(name)
     return copied

@@ -101,7 +101,23 @@ def _lora(cfg: RunConfig, plan) -> list[str]:
     return [f"trainable: {_count(plan.num_trainable_parameters)} of "
             f"{_count(plan.num_parameters)} parameters ({share:.2%}), "
             f"{_count(plan.num_trainable_parameters_per_device)} on the most loaded device: "
-            f"LoRA {ranks}{also}; the base is frozen"]
+            f"LoRA {ranks}{also}; the base is frozen", _exports(cfg)]
+
+
+def _exports(cfg: RunConfig) -> str:
+    """What a LoRA run's checkpoints export to (convert_checkpoint.py mcore-to-hf): a PEFT
+    adapter (a trained projector / merger as its modules_to_save), or only the merged model
+    when base parts outside those train in full."""
+    vision, full = cfg.vision, list(cfg.lora.trainable)
+    if vision.enabled and "vision" not in vision.freeze:
+        full.append("the vision tower")
+    saved = (" (the " + ("merger" if vision.native else "projector") + " as modules_to_save)"
+             if vision.enabled and "projector" not in vision.freeze else "")
+    if full:
+        verb = "trains" if len(full) == 1 else "train"
+        return (f"exports: the merged model (--merge) only: {', '.join(full)} {verb} in full, "
+                f"which a PEFT adapter does not carry")
+    return f"exports: a PEFT adapter{saved}, or the merged model (--merge)"
 
 
 def _kernels(cfg: RunConfig) -> str:
