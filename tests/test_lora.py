@@ -644,7 +644,8 @@ if __name__ == "__main__":  # dist_checkpointing starts spawn-context helpers: g
 
 def test_the_summary_names_the_exports_a_lora_run_allows(qwen2_tokenizer_dir):
     """--dry-run says what a LoRA run's checkpoints export to: a PEFT adapter (a trained
-    projector or merger as modules_to_save) unless a part outside those trains in full."""
+    projector or merger as modules_to_save) unless a part outside those trains in full; a
+    Qwen2.5-VL LoRA run freezes its merger unless told otherwise."""
     from ray_ppu.config.loader import load
     from ray_ppu.plan import build_plan
     from ray_ppu.plan.summary import _lora
@@ -659,7 +660,14 @@ def test_the_summary_names_the_exports_a_lora_run_allows(qwen2_tokenizer_dir):
     assert exports("lora.trainable=[norms]") == (
         "exports: the merged model (--merge) only: norms trains in full, which a PEFT adapter "
         "does not carry")
-    assert exports("model.preset=tiny-qwen-vl", *vl) == (
+    # Qwen2.5-VL with LoRA: the adapters alone train unless vision.freeze is set (the seed's
+    # recipe, PEFT's habit); the merger trained is exported as modules_to_save
+    assert load(None, ["model.preset=tiny-qwen-vl", "lora.enabled=true"]).vision.freeze == [
+        "vision", "projector"]
+    assert load(None, ["model.preset=tiny-qwen-vl"]).vision.freeze == ["vision"]
+    assert exports("model.preset=tiny-qwen-vl", *vl) == \
+        "exports: a PEFT adapter, or the merged model (--merge)"
+    assert exports("model.preset=tiny-qwen-vl", "vision.freeze=[vision]", *vl) == (
         "exports: a PEFT adapter (the merger as modules_to_save), or the merged model (--merge)")
     assert exports("model.preset=tiny-vl", "vision.freeze=[vision, projector]", *vl) == \
         "exports: a PEFT adapter, or the merged model (--merge)"

@@ -213,7 +213,8 @@ def test_peft_export_loads_on_transformers_model_with_the_lora_models_logits(
 
 def test_a_trained_merger_is_exported_as_modules_to_save(qwen_dir, launched, tmp_path):
     """A LoRA run that trained the merger too: its PEFT export carries the merger as
-    modules_to_save, and PeftModel on the base gives the run's logits, which the merger moved."""
+    modules_to_save; PeftModel on the base gives the run's logits, which the merger moved, and
+    so does generate.py's --lora path reading the export back."""
     from peft import PeftModel
 
     from ray_ppu.offline.lora_export import export_peft
@@ -225,7 +226,21 @@ def test_a_trained_merger_is_exported_as_modules_to_save(qwen_dir, launched, tmp
     model = PeftModel.from_pretrained(_loaded(qwen_dir), tmp_path / "peft").eval()
     ours = torch.load(launched / "lora_merger_logits.pt")
     assert (ours - torch.load(launched / "lora_logits.pt")).abs().max() > 1e-3
-    assert (_hf_logits(model, _reference(qwen_dir)) - ours).abs().max() <= 1e-4
+    reference = _reference(qwen_dir)
+    assert (_hf_logits(model, reference) - ours).abs().max() <= 1e-4
+    # and back: ray_ppu applies the adapter (merger included) to the base: the run's logits
+    from ray_ppu.model import parallel
+    from ray_ppu.offline import generation, inference
+
+    setup = generation.setup(str(qwen_dir), lora=str(tmp_path / "peft"), device="cpu")
+    with parallel.process_group("cpu"), \
+            inference.built_model(setup.cfg, setup.plan, "cpu") as chunks:
+        inference.load_weights(chunks, setup.source, setup.cfg, setup.plan, **setup.adapters)
+        again = inference.prompt_logits(
+            chunks, reference["ids"], setup.source.model.vocab_size, torch.device("cpu"),
+            (reference["pixels"], reference["grid"]),
+            positions_of=lambda _tokens: reference["positions"])
+    assert (again - ours).abs().max() <= 1e-5
 
 
 def test_generate_with_an_image_has_transformers_logits(qwen_dir, launched, tmp_path):

@@ -135,6 +135,17 @@ def test_stage2_lora_checkpoint_merges_into_a_llava_model(stage2, tiny_llava_dir
             input_ids=ids, pixel_values=pixels).logits
     assert (with_adapter - merged_logits).abs().max() <= 1e-4
     assert (before - merged_logits).abs().max() > 1e-2  # the adapter moved them
+    # and back: the adapter (projector included) applied by ray_ppu to the same base
+    from ray_ppu.model import parallel
+    from ray_ppu.offline import generation, inference
+
+    setup = generation.setup(str(tiny_llava_dir), lora=str(tmp_path / "peft"), device="cpu")
+    with parallel.process_group("cpu"), \
+            inference.built_model(setup.cfg, setup.plan, "cpu") as chunks:
+        inference.load_weights(chunks, setup.source, setup.cfg, setup.plan, **setup.adapters)
+        ours = inference.prompt_logits(chunks, ids[0].tolist(), setup.source.model.vocab_size,
+                                       torch.device("cpu"), pixels)
+    assert (ours - merged_logits[0, :, :ours.shape[1]]).abs().max() <= 1e-4
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Literal, Optional, Union
 import yaml
 
 from ray_ppu.config.presets import PRESETS, VISION_PRESETS
-from ray_ppu.config.schema import DataConfig, ModelConfig, RunConfig, VisionConfig
+from ray_ppu.config.schema import DataConfig, LoraConfig, ModelConfig, RunConfig, VisionConfig
 from ray_ppu.errors import ConfigError  # noqa: F401 (also imported from here)
 
 
@@ -194,6 +194,10 @@ def from_dict(tree: dict) -> RunConfig:
     lora = built.get("lora")
     if lora is not None and lora.adapter:
         built["lora"] = _lora_from_adapter(lora, (tree or {})["lora"], built["model"])
+    if (built["vision"].native and built.get("lora", LoraConfig()).enabled
+            and "freeze" not in ((tree or {}).get("vision") or {})):
+        # Qwen2.5-VL LoRA: the adapters alone train unless vision.freeze says otherwise
+        built["vision"] = built["vision"].with_(freeze=["vision", "projector"])
     if pretrained and "tokenizer" not in (tree or {}).get("data", {}):
         # the model's own tokenizer, as the reference tokenizes with PRETRAIN_CHECKPOINT_PATH
         built["data"] = dataclasses.replace(built.get("data", DataConfig()), tokenizer=pretrained)

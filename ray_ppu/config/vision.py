@@ -98,7 +98,8 @@ class VisionConfig:
     """Components that do not train (no gradients, no optimizer state): any of vision,
     projector, language. LLaVA / Bunny stage 1 (projector pre-training): [vision, language];
     stage 2: [vision]; with lora.enabled the language model's adapters train whether or not
-    it is named."""
+    it is named. Unset on a Qwen2.5-VL LoRA run: [vision, projector] (the adapters alone
+    train, as the seed's Qwen-VL LoRA recipe and PEFT train them)."""
 
     @property
     def enabled(self) -> bool:

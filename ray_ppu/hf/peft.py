@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -41,7 +41,7 @@ import torch
 from ray_ppu.config.lora import LoraConfig
 from ray_ppu.config.schema import ModelConfig
 from ray_ppu.errors import ConfigError
-from ray_ppu.hf import weights
+from ray_ppu.hf import peft_modules, weights
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -85,6 +85,9 @@ class PeftAdapter:
     path: Path
     config: dict
     tensors: dict[str, torch.Tensor]
+    saved: dict[str, torch.Tensor] = field(default_factory=dict)
+    """A vision-language model's projector / merger saved whole (PEFT's modules_to_save), by
+    module path (:mod:`ray_ppu.hf.peft_modules`)."""
 
     def module(self, name: str) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
         """(A, B, alpha / r) of the adapted module ``name`` (``model.layers.3.self_attn.
@@ -124,11 +127,13 @@ def read_adapter(path: str | Path, what: str = "lora.adapter") -> PeftAdapter:
                           f"read: no pickles)")
     unsupported = [f"{key}={config.get(key)!r}" for key, fine in (
         ("peft_type", "LORA"), ("use_dora", False), ("fan_in_fan_out", False), ("bias", "none"),
-        ("modules_to_save", None), ("lora_bias", False)) if config.get(key, fine) not in (fine, [])]
+        ("lora_bias", False)) if config.get(key, fine) not in (fine, [])]
+    lora, saved = peft_modules.split(load_file(str(path / WEIGHTS_FILE)), PREFIX)
+    unsupported += peft_modules.problems(config, lora, saved, PREFIX)
     if unsupported:
         raise ConfigError(f"{what} {path}: {', '.join(unsupported)} (ray_ppu reads plain LoRA "
-                          f"adapters without DoRA, biases or saved modules)")
-    return PeftAdapter(path, config, load_file(str(path / WEIGHTS_FILE)))
+                          f"adapters without DoRA or biases)")
+    return PeftAdapter(path, config, lora, saved)
 
 
 def _expert_modules(adapter: PeftAdapter, layer: int) -> dict[str, str]:
@@ -325,10 +330,12 @@ def adapter_config(model: ModelConfig, lora: LoraConfig, base: Optional[str],
 # ---------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def load_into(chunks: list, adapter: PeftAdapter, model: ModelConfig, lora: LoraConfig) -> int:
+def load_into(chunks: list, adapter: PeftAdapter, model: ModelConfig, lora: LoraConfig,
+              vision=None) -> int:
     """Set this rank's adapters (any TP / PP / EP) from ``adapter``: each adapter shard is its
     region of the full tensor :func:`adapter_tensors` builds (zeros where the PEFT adapter
-    leaves the module alone: an adapter that adds nothing, and stays so). Returns the
+    leaves the module alone: an adapter that adds nothing, and stays so); and a
+    vision-language model's saved projector / merger (``vision``: its section). Returns the
     adapter shards set."""
     from ray_ppu.config.lora import is_adapter_key
     from ray_ppu.util.wrappers import unwrap
@@ -339,7 +346,7 @@ def load_into(chunks: list, adapter: PeftAdapter, model: ModelConfig, lora: Lora
         for sh in weights._sharded_tensors(unwrap(chunk)):
             if not is_adapter_key(sh.key):
                 continue
-            target, piece = target_of_key(sh.key)
+            target, piece = target_of_key(sh.key.removeprefix("language_model."))
             prepend = sh.prepend_axis_num
             layer = sh.global_offset[0]
             expert = sh.global_offset[1] if prepend > 1 else None
@@ -357,4 +364,5 @@ def load_into(chunks: list, adapter: PeftAdapter, model: ModelConfig, lora: Lora
                     region = region.narrow(dim, start, size)
                 sh.data.copy_(region)
             done += 1
+    peft_modules.load_saved(chunks, adapter.saved, model, vision)
     return done

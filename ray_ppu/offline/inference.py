@@ -70,7 +70,7 @@ def load_weights(chunks: list, source: Source, cfg: RunConfig, plan: Plan,
     if adapter is not None:
         from ray_ppu.hf.peft import load_into
 
-        load_into(chunks, adapter, cfg.model, cfg.lora)
+        load_into(chunks, adapter, cfg.model, cfg.lora, cfg.vision)
     if trained is not None:
         checkpoint.load_trained(trained, chunks)
     return read

@@ -35,6 +35,7 @@ from ray_ppu.checkpoint.processor import carried
 from ray_ppu.config.lora import LoraConfig, is_adapter_key
 from ray_ppu.errors import ConfigError
 from ray_ppu.hf import llava_weights, peft, qwen_vl, weights
+from ray_ppu.hf.peft_modules import SAVED_MODULES, VL_LAYERS
 from ray_ppu.hf.files import (INDEX_FILE, MAX_SHARD_BYTES, PUBLIC_FILE_MODE, Checkpoint,
                               ShardedWriter)
 from ray_ppu.offline.mcore_to_hf import (DTYPES, GENERATION_CONFIG, TOKENIZER_FILES, _layer_slabs,
@@ -57,13 +58,6 @@ def lora_source(path: str | Path) -> tuple[Source, LoraConfig]:
     return source, LoraConfig(**source.meta.lora)
 
 
-# A vision-language model's language model layers as PEFT names them on transformers 5's
-# module tree (Qwen2_5_VLForConditionalGeneration and LlavaForConditionalGeneration alike)
-VL_LAYERS = "model.language_model.layers"
-# The image-side part a LoRA run may train in full, by vision.native: (its stored keys'
-# prefix, the module PEFT's modules_to_save names)
-SAVED_MODULES = {False: (llava_weights.PROJECTOR, "multi_modal_projector"),
-                 True: (qwen_vl.TOWER + "merger.", "visual.merger")}
 _MODEL_PREFIXES = ("decoder", "embedding", "output_layer")  # not optimizer, rng, scheduler
 _IMAGE_PREFIXES = (llava_weights.VISION, llava_weights.PROJECTOR)
 

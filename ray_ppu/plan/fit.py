@@ -61,7 +61,7 @@ def fitting_change(cfg: RunConfig) -> Optional[tuple[dict, MemoryPlan]]:
     """
     from ray_ppu.plan.build import build_plan
 
-    p, mem, t = cfg.parallel, cfg.memory, cfg.training
+    p, mem = cfg.parallel, cfg.memory
     tps = [p.tensor_model_parallel_size * k for k in (1, 2, 4, 8)
            if p.tensor_model_parallel_size * k <= max(_MAX_TP, p.tensor_model_parallel_size)]
     pps = [p.pipeline_model_parallel_size * k for k in (1, 2, 4, 8)]

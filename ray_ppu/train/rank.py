@@ -287,7 +287,7 @@ def _load_base(cfg: RunConfig, plan: Plan, model: list, fresh: bool, rank0: bool
     if fresh and cfg.lora.adapter:
         from ray_ppu.hf.peft import load_into, read_adapter
 
-        load_into(model, read_adapter(cfg.lora.adapter), cfg.model, cfg.lora)
+        load_into(model, read_adapter(cfg.lora.adapter), cfg.model, cfg.lora, cfg.vision)
     if rank0:
         log.info("LoRA base %s%s loaded in %.1f s", cfg.checkpoint.pretrained or cfg.checkpoint.load,
                  f", adapters from {cfg.lora.adapter}" if fresh and cfg.lora.adapter else "",
