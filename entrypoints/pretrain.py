@@ -117,12 +117,14 @@ def _preflight(cfg) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    demo = args.config is None
     try:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")
-            cfg = absolute_paths(load(DEMO_CONFIG if demo else args.config, args.overrides))
+            cfg = absolute_paths(load(args.config or DEMO_CONFIG, args.overrides))
             plan = build_plan(cfg)
+        # the demo builds its own corpus; the demo's settings on a user's corpus do not (it
+        # would have been written beside theirs, then found missing)
+        demo = args.config is None and cfg.data.data_path == _demo_data_path()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -171,6 +173,11 @@ def main(argv=None) -> int:
     if "stopped_at" in final:  # SIGTERM: saved and stopped early; the same command resumes
         return 143
     return 0
+
+
+def _demo_data_path() -> list[str]:
+    """The corpus the demo config names (absolute), which the demo builds."""
+    return absolute_paths(load(DEMO_CONFIG, [])).data.data_path
 
 
 def _report(cfg):

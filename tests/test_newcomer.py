@@ -68,6 +68,20 @@ def test_dry_run_of_a_missing_corpus_exits_2_with_the_launchs_line_and_writes_no
     assert not out.exists()
 
 
+def test_the_demos_settings_on_a_users_corpus_do_not_build_the_demo_corpus_there(tmp_path):
+    """pretrain.py without --config but with data.data_path is the demo's settings on the
+    user's corpus: a missing one is the launch's one line, and nothing is written beside it
+    (the demo's stdlib corpus, tokenizer and raw shards were built in the user's directory)."""
+    users = tmp_path / "mine"
+    users.mkdir()
+    proc = _run("pretrain.py", f"data.data_path=[{users / 'corpus'}]",
+                f"output.dir={tmp_path / 'out'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == ["error: unusable idxmap corpus:"], proc.stderr[-2000:]
+    assert f"{users / 'corpus'}.bin: missing" in proc.stderr
+    assert list(users.iterdir()) == [] and not (tmp_path / "out").exists()
+
+
 def test_local_checks_name_missing_sft_files_and_tokenizer_together(tmp_path):
     cfg = absolute_paths(load(REPO / "entrypoints" / "configs" / "qwen2.5-7b-sft.yaml", [
         f"data.data_path=[{tmp_path / 'train.jsonl'}]", f"data.valid_data_path=[]",
