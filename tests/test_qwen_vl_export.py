@@ -303,12 +303,15 @@ def _lora_checkpoint(jobs: dict, base: str, out: Path) -> None:
                     param.normal_(0.0, 0.1)
                 elif name.startswith("vision_model."):  # a LoRA run's frozen tower
                     param.requires_grad_(False)
-        logits = inference.prompt_logits(
-            chunks, reference["ids"], source.model.vocab_size, torch.device("cpu"),
-            (reference["pixels"], reference["grid"]),
-            positions_of=lambda _tokens: reference["positions"])
-        if dist.get_rank() == 0:
-            torch.save(logits, out / "lora_logits.pt")
+        def save_logits(name: str) -> None:
+            logits = inference.prompt_logits(
+                chunks, reference["ids"], source.model.vocab_size, torch.device("cpu"),
+                (reference["pixels"], reference["grid"]),
+                positions_of=lambda _tokens: reference["positions"])
+            if dist.get_rank() == 0:
+                torch.save(logits, out / name)
+
+        save_logits("lora_logits.pt")
 
         # what a LoRA run's training save holds: the adapters, and its lora section in meta
         origin = {"base": {"path": base, "kind": "mcore", "fingerprint": "test"},
@@ -322,12 +325,7 @@ def _lora_checkpoint(jobs: dict, base: str, out: Path) -> None:
             for name, param in chunks[0].named_parameters():
                 if ".merger." in name:
                     param.add_(torch.randn_like(param) * 0.05).requires_grad_(True)
-        logits = inference.prompt_logits(
-            chunks, reference["ids"], source.model.vocab_size, torch.device("cpu"),
-            (reference["pixels"], reference["grid"]),
-            positions_of=lambda _tokens: reference["positions"])
-        if dist.get_rank() == 0:
-            torch.save(logits, out / "lora_merger_logits.pt")
+        save_logits("lora_merger_logits.pt")
         saver.Saver(out / "lora_merger", plan, cfg, origin=origin).save(
             1, chunks, None, None, trained_only=True)
 

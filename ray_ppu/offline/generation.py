@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 from ray_ppu.checkpoint.processor import IMAGE_PROCESSOR_FILE
 from ray_ppu.config.lora import LoraConfig
 from ray_ppu.errors import ConfigError
+from ray_ppu.hf.processor import chat_template
 from ray_ppu.offline.source import Source, inference_config, lora_base, open_source
 
 
@@ -184,16 +185,9 @@ def setup(checkpoint: str, *, lora: Optional[str] = None, base: Optional[str] = 
                                  device=backend, ep=ep, etp=1 if ep > 1 else None,
                                  lora=lora_cfg, vision=source.vision)
     return Setup(named.path, source, tokenizer_dir, loaded, image_dir,
-                 chat=not raw and tokenizer_dir is not None and _has_template(tokenizer_dir),
+                 chat=not raw and tokenizer_dir is not None
+                 and chat_template(tokenizer_dir) is not None,
                  cfg=cfg, plan=plan, adapters={"adapter": adapter, "trained": trained})
-
-
-def _has_template(tokenizer_dir: Path) -> bool:
-    """Whether the tokenizer has a chat template (tokenizer_config.json or chat_template.jinja)."""
-    if (tokenizer_dir / "chat_template.jinja").is_file():
-        return True
-    config = tokenizer_dir / "tokenizer_config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
 
 
 def _with_adapters(source: Source, lora_dir: Optional[str], base: Optional[str]) -> tuple:

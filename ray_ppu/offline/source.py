@@ -162,10 +162,12 @@ def lora_base(source: Source, base: Optional[str] = None) -> str:
     found = Path(base).expanduser().resolve()
     if not found.is_dir():
         raise ConfigError(f"--base {base}: no such directory")
-    if recorded.get("kind") == "mcore" and open_source(found).kind == "mcore":
-        found = open_source(found).path  # a directory of checkpoints: the latest, as training
-    if recorded.get("fingerprint") and fingerprint(found) != recorded["fingerprint"]:
+    if recorded.get("kind") == "mcore":
+        opened = open_source(found)  # a directory of checkpoints: the latest, as training
+        found = opened.path if opened.kind == "mcore" else found
+    ours = fingerprint(found) if recorded.get("fingerprint") else None
+    if ours is not None and ours != recorded["fingerprint"]:
         raise ConfigError(f"--base {base}: not the base {source.path} was trained on (its "
-                          f"fingerprint {fingerprint(found)} is not the recorded "
+                          f"fingerprint {ours} is not the recorded "
                           f"{recorded['fingerprint']} of {recorded.get('path')})")
     return str(found)
