@@ -2,11 +2,21 @@
 
     python entrypoints/inspect_data.py --config run.yaml --dp-size 16 --dp-rank 3 --num-samples 4
     python entrypoints/inspect_data.py --config run.yaml --tokenizer /ckpt/Qwen2.5-7B   # + text
+    python entrypoints/inspect_data.py --config sft.yaml --html rows.html   # SFT / VL: + a page
 
-Prints one JSON line per sample: its global sample id, the iteration and microbatch it belongs
-to, its token ids, and (with --tokenizer) the decoded text. The ids come from the same functions
-the readers use (Megatron's dataset built from the config, Megatron-LM's sampler order),
-without Ray or workers; Megatron's indices are built into / loaded from the run's index cache.
+Pretraining (idxmap): one JSON line per sample: its global sample id, the iteration and
+microbatch it belongs to, its token ids, and (with --tokenizer) the decoded text. The ids come
+from the same functions the readers use (Megatron's dataset built from the config,
+Megatron-LM's sampler order), without Ray or workers; Megatron's indices are built into /
+loaded from the run's index cache.
+
+SFT and vision-language (data.dataset: sft): the corpus's figures (records, used, dropped by
+reason, tokens, packing efficiency, images and image positions per sample), then each row as
+the model sees it: the chat template rendered, ⟦trained tokens⟧ apart from the prompt,
+⟨image⟩ spans with their image's size and positions, packed samples one after another, the
+padding. From the run's prepared rows when its cache has them, else from the first --records
+records of each file, read here the pipeline's way. --html writes the same as a page, with the
+images.
 """
 
 from __future__ import annotations
@@ -39,7 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--start-iteration", type=int, default=0,
                         help="first iteration (a resumed run starts after its checkpoint)")
     parser.add_argument("--split", choices=idxmap.SPLITS, default="train")
-    parser.add_argument("--tokenizer", help="HF tokenizer directory: also print decoded text")
+    parser.add_argument("--tokenizer", help="idxmap: HF tokenizer directory: also print decoded text")
+    parser.add_argument("--records", type=int, default=1024,
+                        help="SFT without prepared rows: records read from each file (0: all; "
+                             "default one packing window, whose rows are the run's own)")
+    parser.add_argument("--html", help="SFT: also write the rows and figures as an HTML page here")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value")
     return parser.parse_args(argv)
 
@@ -81,9 +95,11 @@ def main(argv=None) -> int:
             raise ConfigError(f"--dp-rank {args.dp_rank} of --dp-size {dp}: need 0 ≤ rank < size "
                               f"and global_batch_size {plan.global_batch_size} divisible by "
                               f"micro_batch_size {plan.micro_batch_size} × {dp} = {step}")
-        spec = idxmap.spec_for(cfg, plan)
-        if args.split == "valid" and not spec.valid_samples:
+        if args.split == "valid" and not plan.valid_samples:
             raise ConfigError("--split valid: the config runs no validation (training.eval_iters=0)")
+        if cfg.data.dataset == "sft":
+            return _show_sft(args, cfg, plan, dp)
+        spec = idxmap.spec_for(cfg, plan)
         idxmap.prepare(spec)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -96,6 +112,31 @@ def main(argv=None) -> int:
         if tokenizer is not None:
             row["text"] = tokenizer.decode(tokens)
         print(json.dumps(row, ensure_ascii=False))
+    return 0
+
+
+def _show_sft(args, cfg, plan, dp: int) -> int:
+    """The SFT / VL view: figures, then the rank's first rows (and the page with --html)."""
+    from ray_ppu.data.sft.view import inspect
+    from ray_ppu.tools.data_page import figure_lines, html_page, text_lines
+
+    per_rank = plan.global_batch_size // dp
+    iterations = np.arange(args.start_iteration, args.start_iteration + -(-args.num_samples // per_rank))
+    ids = rank_sample_ids(iterations, args.dp_rank, dp, plan.global_batch_size,
+                          plan.micro_batch_size)[:args.num_samples]
+    found, source, views = inspect(cfg, plan, args.split, ids, args.records)
+    placed = []
+    for n, (view, sample_id) in enumerate(views):
+        placed.append((view, f" (sample {sample_id}, iteration {args.start_iteration + n // per_rank}, "
+                             f"microbatch {(n % per_rank) // plan.micro_batch_size} of DP rank "
+                             f"{args.dp_rank})"))
+    print("\n".join(figure_lines(found, source)))
+    for view, where in placed:
+        print("\n".join(text_lines(view, where, colour=sys.stdout.isatty())))
+    if args.html:
+        Path(args.html).write_text(html_page(f"{args.split} rows of {args.config}", found, source,
+                                             placed), encoding="utf-8")
+        print(f"page: {args.html}", file=sys.stderr)
     return 0
 
 

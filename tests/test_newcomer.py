@@ -125,6 +125,7 @@ def _numeric(annotation) -> bool:
 
 # Numbers that are not sizes or counts: bounded both ways, with their own rules and tests.
 NOT_SIZES = {"training.adam_beta1", "training.adam_beta2", "memory.optimizer_offload_fraction",
+             "data.max_dropped_share",
              "model.hidden_dropout", "model.attention_dropout", "lora.dropout",
              # mappings of numbers: each value is held to its bound by the lora rules
              "lora.rank_pattern", "lora.alpha_pattern",

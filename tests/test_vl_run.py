@@ -14,6 +14,9 @@ parts: tests/test_vl_model.py, test_vl_training.py.)
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +24,8 @@ from test_lora_training import _first_and_again, _run
 from ray_ppu.config.loader import load
 
 STAGE2_ITERS = 8
+BAD_RECORDS = ('{"image": "nowhere.png", "conversations": [{"from": "human", "value": "<image>"}, '
+               '{"from": "gpt", "value": "Red."}]}\n{"image": "x.png", "conversations": [\n')
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +69,10 @@ def converted(tiny_llava_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def stage2(ray_cluster, converted, shapes, tiny_llava_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("vl_stage2")
-    cfg = _config(shapes, tiny_llava_dir, out, shapes["train"],
+    # the shapes questions and two bad records after them: dropped, counted and listed
+    data = out.parent / "train_and_bad.jsonl"
+    data.write_text(Path(shapes["train"]).read_text() + BAD_RECORDS)
+    cfg = _config(shapes, tiny_llava_dir, out, data,
                   f"checkpoint.load={converted}",
                   "checkpoint.finetune=true", "model.preset=tiny-vl", "vision.freeze=[vision]",
                   "lora.enabled=true", "lora.rank=8", "lora.alpha=16",
@@ -94,6 +102,22 @@ def test_stage2_restores_exactly_from_memory(stage2):
     # (a question of ~20 tokens and its 16 image tokens: two do not fit in 64)
     row = next(r for r in rows if r.get("iteration") == STAGE2_ITERS and "lm_loss" in r)
     assert row["images_per_iteration"] == 4 and row["images_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_launch_names_every_bad_record_and_lists_them_in_the_run_directory(stage2, shapes):
+    """Dropped records are counted in the end-of-run account and listed whole, with their
+    file and line, in <dir>/bad_records/train.jsonl (the first of each reason in the log)."""
+    good = len(Path(shapes["train"]).read_text().splitlines())
+    data = stage2["final"]["data"]["train"]
+    assert (data["records_read"], data["samples_used"]) == (good + 2, good)
+    assert {k: v for k, v in data["dropped"].items() if v} == {"missing_image": 1,
+                                                                "malformed_json": 1}
+    listed = Path(stage2["cfg"].output.dir) / "bad_records" / "train.jsonl"
+    records = [json.loads(line) for line in listed.read_text().splitlines()]
+    assert [(r["reason"], r["record"].split(": ")[1]) for r in records] == [
+        ("missing_image", f"line {good + 1}"), ("malformed_json", f"line {good + 2}")]
+    assert "nowhere.png" in records[0]["record"]
 
 
 @pytest.mark.slow
@@ -152,9 +176,6 @@ def test_stage2_lora_checkpoint_merges_into_a_llava_model(stage2, tiny_llava_dir
 def test_the_cache_keeps_the_image_files_and_readers_decode_them(stage2, shapes):
     """The prepared rows hold each image's file bytes (not 8x larger pixels); the reader's
     read gives the pixels the image processor's code gives for the file."""
-    import json
-    from pathlib import Path
-
     import numpy as np
 
     from ray_ppu.data import sft_store

@@ -213,7 +213,18 @@ class DataConfig:
     packing: bool = False
     """sft: several samples per seq_length row, attention kept within each (MP_SFT_PACKING)."""
     on_bad_record: Literal["skip", "fail"] = "skip"
-    """sft: a malformed or unusable record is skipped and counted (skip) or stops the run (fail)."""
+    """sft: a malformed or unusable record is skipped and counted (skip) or stops the run (fail).
+    Either way every bad record is listed in <dir>/bad_records/<split>.jsonl."""
+    max_dropped_share: float = 0.5
+    """sft, skip: the largest share of records that may be dropped (for any reason) before the
+    run is refused: checked on the sample ``--dry-run`` and the launch read (check_records),
+    then on the whole corpus. 1.0 = never refused; the default refuses a corpus a model cannot
+    use (records with images for a text model, a wrong image_root)."""
+    check_records: int = 200
+    """sft: records of each file read before any Ray starts (``--dry-run`` and the launch): the
+    first check_records, and as many spread over the rest of the file (JSON Lines and Parquet;
+    a compressed file: the first only), read, templated, tokenized and their images opened as
+    the pipeline does. 0 = no sample. [≥ 0]"""
     split: str = "99,1,0"
     """Train/validation/test split of ``data_path``'s documents, Megatron's "a,b,c" form (ignored
     when ``valid_data_path`` is set: training then uses all of ``data_path``)."""

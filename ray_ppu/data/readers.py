@@ -45,6 +45,11 @@ def input_format(name: str) -> str | None:
     return None
 
 
+def is_compressed(name: str) -> bool:
+    """Whether pyarrow decompresses the file ``name`` (by its suffix)."""
+    return name.lower().endswith(_COMPRESSION_SUFFIXES)
+
+
 def _is_data_file(path: Path) -> bool:
     # Hidden and underscore files are bookkeeping (.crc, _SUCCESS, our own .tmp files), not data.
     return path.is_file() and not path.name.startswith((".", "_")) and input_format(path.name) is not None

@@ -32,6 +32,7 @@ from ray_ppu.errors import PreprocessError, remote_cause
 log = logging.getLogger("ray_ppu")
 
 META = "meta.json"
+BAD = "bad_records.jsonl"  # every dropped record of a split: {"reason", "record": "file: line N: why"}
 BYTES = "bytes"  # a column's dtype in meta.json: variable-length bytes per row (images)
 SPLITS = ("train", "valid")
 
@@ -52,6 +53,7 @@ class SFTSpec:
     valid_samples: int = 0
     vision: Optional[VisionData] = None  # a vision-language model's images (rows hold file bytes)
     inputs: tuple = ()  # (split, file, size, mtime_ns) of each input file: one edited in place is re-read
+    max_dropped_share: float = 1.0  # skip: the share of dropped records that refuses the split
 
     def paths(self, split: str) -> tuple[str, ...]:
         return {"train": self.train_paths, "valid": self.valid_paths}[split]
@@ -62,7 +64,7 @@ class SFTSpec:
     def split_dir(self, split: str) -> Path:
         """Rows depend on inputs, tokenizer and layout, not on how many samples a run reads."""
         key = {k: v for k, v in dataclasses.asdict(self).items()
-               if k not in ("cache_dir", "train_samples", "valid_samples")}
+               if k not in ("cache_dir", "train_samples", "valid_samples", "max_dropped_share")}
         key["split"], key["paths"] = split, self.paths(split)
         key["inputs"] = [entry for entry in self.inputs if entry[0] == split]
         if self.vision is not None:  # caches of the earlier layout held decoded pixels
@@ -90,6 +92,7 @@ def spec_for(cfg, plan) -> SFTSpec:
         valid_samples=plan.valid_samples,
         vision=vision_data(cfg) if cfg.vision.enabled else None,
         inputs=_fingerprint("train", d.data_path) + _fingerprint("valid", d.valid_data_path),
+        max_dropped_share=d.max_dropped_share,
     )
 
 
@@ -128,6 +131,9 @@ def _write_split(spec: SFTSpec, split: str) -> dict:
             raise cause from None
         raise
     summary = stats_fn()
+    with open(tmp / BAD, "w", encoding="utf-8") as f:  # the list beside the counts, not in them
+        for reason, record in summary.pop("bad"):
+            f.write(json.dumps({"reason": reason, "record": record}, ensure_ascii=False) + "\n")
     meta = {"rows": rows, "columns": shapes, "summary": summary, "split": split,
             "paths": list(spec.paths(split))}
     (tmp / META).write_text(json.dumps(meta, indent=2, ensure_ascii=False))
@@ -179,11 +185,13 @@ def _ray_data_errors_unlogged():
         logger.setLevel(level)
 
 
-def prepare(spec: SFTSpec) -> dict[str, int]:
+def prepare(spec: SFTSpec, bad_records_dir: Optional[Path] = None) -> dict[str, int]:
     """Tokenize (or find in the cache) each split the run reads; returns rows per split.
 
-    Needs a connected Ray. Logs the record accounting: read, used, dropped by reason,
-    truncated, packing efficiency. Fails when a split yields no rows.
+    Needs a connected Ray. Logs the record accounting (read, used, dropped by reason,
+    truncated, packing efficiency) and the first bad records of each reason; copies the whole
+    list to ``bad_records_dir/<split>.jsonl``. Fails when a split yields no rows or drops more
+    than ``spec.max_dropped_share`` of its records.
     """
     rows = {}
     for split in SPLITS:
@@ -196,12 +204,40 @@ def prepare(spec: SFTSpec) -> dict[str, int]:
         s = meta["summary"]
         log.info("%s (%s, %.1f s)", summary_line(spec, split, meta), spec.split_dir(split),
                  time.perf_counter() - start)
+        listed = _bad_records(spec, split, bad_records_dir)
         if meta["rows"] == 0:
             raise ValueError(f"SFT {split} data {list(spec.paths(split))} gave no usable "
                              f"samples ({s['records_read']} records read, dropped: "
-                             f"{ {k: v for k, v in s['dropped'].items() if v} })")
+                             f"{ {k: v for k, v in s['dropped'].items() if v} }):\n  "
+                             + "\n  ".join(listed))
+        share = s["dropped_total"] / s["records_read"] if s["records_read"] else 0.0
+        if share > spec.max_dropped_share:
+            raise ValueError(f"SFT {split}: {s['dropped_total']} of {s['records_read']} records "
+                             f"dropped ({100 * share:.0f} %, over data.max_dropped_share="
+                             f"{spec.max_dropped_share:g}):\n  " + "\n  ".join(listed))
+        for line in listed:
+            log.warning("SFT %s: %s", split, line)
         rows[split] = meta["rows"]
     return rows
+
+
+def _bad_records(spec: SFTSpec, split: str, out_dir: Optional[Path]) -> list[str]:
+    """The split's bad records per reason (count and first few), and where the whole list is
+    (copied to ``out_dir/<split>.jsonl``); [] when every record was used."""
+    from ray_ppu.data.sft.sample_check import bad_lines
+
+    path = spec.split_dir(split) / BAD
+    if not path.is_file() or not path.stat().st_size:
+        return []
+    bad = [(r["reason"], r["record"]) for r in map(json.loads, path.read_text().splitlines())]
+    dropped: dict = {}
+    for reason, _ in bad:
+        dropped[reason] = dropped.get(reason, 0) + 1
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, out_dir / f"{split}.jsonl")
+        path = out_dir / f"{split}.jsonl"
+    return bad_lines({"dropped": dropped, "bad": bad}) + [f"every bad record: {path}"]
 
 
 def summary_line(spec: SFTSpec, split: str, meta: dict) -> str:

@@ -295,7 +295,7 @@ def _prepare(cfg: RunConfig, plan: Plan, spec, token: str,
                 cfg.checkpoint, memory_interval=0))
     phases["preflight"] = time.perf_counter() - started
     if sft:  # Ray Data tokenizes the JSON shards across the cluster, once per corpus
-        rows = _as_config_error(sft_store.prepare, spec)
+        rows = _as_config_error(sft_store.prepare, spec, Path(cfg.output.dir) / "bad_records")
         log.info("SFT rows: %d train (%d samples needed: %.2f epochs), %d validation",
                  rows["train"], plan.train_samples, plan.train_samples / rows["train"],
                  rows["valid"])

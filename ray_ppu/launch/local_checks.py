@@ -47,9 +47,10 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
     if cfg.vision.native and importlib.util.find_spec("transformers") is None:
         problems.append(f"vision.encoder={cfg.vision.encoder} runs transformers' vision tower: "
                         f"pip install 'transformers>=5.25' (or pip install 'ray-ppu[qwen-vl]')")
+    if files and data:
+        lines += _data_lines(cfg, plan, problems)
+        lines += _sft_lines(cfg, plan, problems, warnings)
     if files:
-        for step in (_data_lines, _sft_lines) if data else ():
-            lines += step(cfg, plan, problems)
         try:
             cfg, resume, start, warning = starting_point(cfg, plan)
             lines.append(start)
@@ -80,28 +81,61 @@ def _data_lines(cfg: RunConfig, plan: Plan, problems: list[str]) -> list[str]:
             f"({info.dtype})" for info in found]
 
 
-def _sft_lines(cfg: RunConfig, plan: Plan, problems: list[str]) -> list[str]:
+def _sft_lines(cfg: RunConfig, plan: Plan, problems: list[str], warnings: list[str]) -> list[str]:
     """SFT: the JSON inputs of both splits exist and hold data; the tokenizer and its chat
-    template load (what Ray Data's pipeline checks first, here before the cluster)."""
+    template load (what Ray Data's pipeline checks first, here before the cluster); then a
+    sample of every file read as the pipeline reads it (:mod:`ray_ppu.data.sft.sample_check`):
+    its bad records are warnings, or problems under the run's policy."""
     if cfg.data.dataset != "sft":
         return []
     from ray_ppu.data.sft.files import resolve_sft_inputs
     from ray_ppu.data.sft.windows import as_encoder
 
-    d, counts, before = cfg.data, [], len(problems)
-    for split, paths in (("train", d.data_path), ("validation", d.valid_data_path)):
+    d, counts, found, before = cfg.data, [], {}, len(problems)
+    for split, paths in (("train", d.data_path), ("valid", d.valid_data_path)):
         if paths:
             try:
-                counts.append(f"{len(resolve_sft_inputs(paths))} {split} file(s)")
+                found[split] = resolve_sft_inputs(paths)
+                counts.append(f"{len(found[split])} {split} file(s)")
             except UserError as err:
                 problems.append(f"data.{'valid_' if split != 'train' else ''}data_path: {err}")
     try:
-        as_encoder(str(Path(d.tokenizer).expanduser().resolve()))
+        encoder = as_encoder(str(Path(d.tokenizer).expanduser().resolve()))
     except (UserError, OSError, ValueError) as err:
         problems.append(f"data.tokenizer: {err}")
     if len(problems) > before:
         return []
-    return [f"SFT data: {', '.join(counts)}; tokenizer {d.tokenizer}"]
+    lines = [f"SFT data: {', '.join(counts)}; tokenizer {d.tokenizer}"]
+    if d.check_records:
+        lines += _sample_lines(cfg, plan, found, encoder, problems, warnings)
+    return lines
+
+
+def _sample_lines(cfg: RunConfig, plan: Plan, files: dict, encoder, problems: list[str],
+                  warnings: list[str]) -> list[str]:
+    """Each split's sample: its line; its bad records as warnings (per reason, the first few),
+    or a problem when the run's policy refuses them."""
+    from ray_ppu.data import sft_store
+    from ray_ppu.data.sft import sample_check
+    from ray_ppu.data.sft.rows import SFTOptions
+
+    d = cfg.data
+    try:
+        spec = sft_store.spec_for(cfg, plan)
+        options = SFTOptions(spec.seq_length, spec.max_padding_length, spec.packing,
+                             vision=spec.vision)
+    except (UserError, OSError, ValueError) as err:
+        problems.append(str(err))
+        return []
+    lines = []
+    for split, paths in files.items():
+        report = sample_check.sample_split(split, paths, encoder, options, d.check_records)
+        lines.append(report.line())
+        refused = sample_check.problems(report, d.on_bad_record, d.max_dropped_share)
+        problems += refused
+        if not refused and report.stats["dropped_total"]:
+            warnings += [f"SFT {split} sample: {line}" for line in sample_check.bad_lines(report.stats)]
+    return lines
 
 
 def starting_point(cfg: RunConfig, plan: Plan):

@@ -329,6 +329,8 @@ def _sft_problems(cfg: RunConfig) -> list[str]:
     if t.eval_iters and not d.valid_data_path:
         problems.append(f"eval_iters {t.eval_iters} asks for validation: set "
                         f"data.valid_data_path (SFT has no split) or training.eval_iters=0")
+    if not 0.0 <= d.max_dropped_share <= 1.0:
+        problems.append(f"data.max_dropped_share {d.max_dropped_share:g} must be between 0 and 1")
     if d.packing and cfg.parallel.context_parallel_size > 1:
         problems.append(f"data.packing with CP {cfg.parallel.context_parallel_size}: packed rows "
                         f"are not split across context-parallel ranks; use CP 1")

@@ -4,9 +4,11 @@ Files are found and their JSON records read by :mod:`ray_ppu.data.readers`, shar
 pretraining preprocessing. Here a record becomes an *entry*: ``("ok", messages, where, images,
 file)`` (the image paths as the record gives them, and the file they are relative to) or
 ``("problem", reason, message)``, so that a bad record is counted, never lost, and the place
-``file: line N`` (``element i``, ``row i``) is kept for the message. ``on_error="fail"`` raises
-:class:`PreprocessError` at the first problem instead. Entries are then cut into packing
-windows of consecutive records (see the package docstring for why windows).
+``file: line N`` (``element i``, ``row i``) is kept for the message. Reading never raises for a
+record (``on_error="fail"`` is the window's to apply, after its other checks, so that the error
+names the first bad record in file order, not the first one a stage happened to find). Entries
+are then cut into packing windows of consecutive records (see the package docstring for why
+windows).
 """
 
 from __future__ import annotations
@@ -24,26 +26,28 @@ from ray_ppu.data.sft.records import RecordProblem, conversation_from_record, re
 from ray_ppu.errors import PreprocessError
 
 
-def problem_or_raise(reason: str, message: str, on_error: str) -> tuple:
-    """The entry of an unusable record, or PreprocessError with ``on_error="fail"``."""
-    if on_error == "fail":
-        raise PreprocessError(message)
-    return ("problem", reason, message)
-
-
-def file_entries(f, path: str, on_error: str) -> Iterator[tuple]:
-    """Every record of one opened file as ``("ok", messages, where, image paths, path)`` or
+def record_entry(path: str, where: str, record: object) -> tuple:
+    """The entry of one record read from ``path`` at ``where`` (a parse failure as its
+    :class:`RecordProblem`): ``("ok", messages, where, image paths, path)`` or
     ``("problem", reason, message)``."""
-    kind = input_format(path)
-    for where, record in (_parquet_records(f) if kind == "parquet" else _json_records(f)):
-        if isinstance(record, RecordProblem):
-            yield problem_or_raise(record.reason, f"{path}: {where}: {record.message}", on_error)
-            continue
-        try:
-            images = record_images(record) if isinstance(record, dict) else []
-            yield ("ok", conversation_from_record(record), f"{path}: {where}", images, path)
-        except RecordProblem as problem:
-            yield problem_or_raise(problem.reason, f"{path}: {where}: {problem.message}", on_error)
+    if isinstance(record, RecordProblem):
+        return ("problem", record.reason, f"{path}: {where}: {record.message}")
+    try:
+        images = record_images(record) if isinstance(record, dict) else []
+        return ("ok", conversation_from_record(record), f"{path}: {where}", images, path)
+    except RecordProblem as problem:
+        return ("problem", problem.reason, f"{path}: {where}: {problem.message}")
+
+
+def file_entries(f, path: str) -> Iterator[tuple]:
+    """Every record of one opened file as its entry (:func:`record_entry`)."""
+    for where, record in file_records(f, path):
+        yield record_entry(path, where, record)
+
+
+def file_records(f, path: str) -> Iterator[tuple[str, object]]:
+    """``(where, record or RecordProblem)`` of every record of one opened file."""
+    return _parquet_records(f) if input_format(path) == "parquet" else _json_records(f)
 
 
 @contextlib.contextmanager
@@ -57,7 +61,7 @@ def open_local(path: str):
             yield f
 
 
-def _decode_json(data: bytes):
+def decode_json(data: bytes):
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -70,7 +74,7 @@ def _decode_json(data: bytes):
 
 def _json_records(f) -> Iterator[tuple[str, object]]:
     # A JSON array is parsed whole: a problem with it is the whole file's.
-    for where, record in json_records(f, _decode_json):
+    for where, record in json_records(f, decode_json):
         if where == WHOLE_FILE and not isinstance(record, RecordProblem):
             record = RecordProblem("malformed_json", NOT_AN_ARRAY)
         yield where, record

@@ -34,12 +34,12 @@ class _SFTWindows(ParquetRandomAccess, FileBasedDatasource):
     (JSON: ``["ok", messages, where]`` / ``["problem", reason, message]``). A window is one
     row so that Ray Data never splits or merges it: packing stays independent of block sizes."""
 
-    def __init__(self, paths: list[str], window: int, on_error: str) -> None:
+    def __init__(self, paths: list[str], window: int) -> None:
         super().__init__(paths)
-        self._window, self._on_error = window, on_error
+        self._window = window
 
     def _read_stream(self, f, path: str):
-        for index, last, entries in windows(file_entries(f, path, self._on_error), self._window):
+        for index, last, entries in windows(file_entries(f, path), self._window):
             yield pa.table({"source": pa.array([path], pa.string()), "window": pa.array([index], pa.int64()),
                             "last": pa.array([last], pa.bool_()),
                             "entries": pa.array([json.dumps(entries, ensure_ascii=False)], pa.large_string())})
@@ -128,9 +128,12 @@ def sft_dataset(paths: Sequence[str | Path], tokenizer_dir: ChatEncoder | str | 
     sink = ray.remote(_StatsSink).options(num_cpus=0).remote(files)
     # One read task per file, fused into the actors (as preprocess_with_ray does: a read task
     # that had to wait for a CPU the actors hold would stall the pipeline).
-    ds = ray.data.read_datasource(_SFTWindows(files, options.window, on_error), override_num_blocks=len(files))
+    ds = ray.data.read_datasource(_SFTWindows(files, options.window), override_num_blocks=len(files))
     ds.context.execution_options.preserve_order = True  # rows in input order: the data contract
     ds.context.enable_progress_bars = False
+    # A bad record with on_error="fail" reaches the consumer as our PreprocessError, naming
+    # file and line (not as Ray Data's UserCodeException, which does not carry its cause over)
+    ds.context.raise_original_map_exception = True
     pool = ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2)
     ds = ds.map_batches(_ProcessWindows, fn_constructor_args=(encoder, options, sink), batch_size=None,
                         batch_format="pyarrow", compute=pool, num_cpus=1)

@@ -11,18 +11,18 @@ documents.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
 from ray_ppu.data.sft.chat_encoder import ChatEncoder
-from ray_ppu.data.sft.files import file_entries, open_local, problem_or_raise, resolve_sft_inputs, windows
+from ray_ppu.data.sft.files import file_entries, open_local, record_entry, resolve_sft_inputs, windows
 from ray_ppu.data.sft.image_samples import (VisionData, check_fit, check_native_fit,
                                             image_columns, read_images, read_native_images,
                                             whole_images)
-from ray_ppu.data.sft.records import (DROP_REASONS, RecordProblem, check_image_tags,
-                                      conversation_from_record, record_images)
+from ray_ppu.data.sft.records import DROP_REASONS, RecordProblem, check_image_tags
 from ray_ppu.data.sft.rows import (
     DEFAULT_MAX_SAMPLES_PER_ROW,
     DEFAULT_WINDOW,
@@ -43,12 +43,13 @@ def new_stats() -> dict:
     """The statistics of no records."""
     return {"records_read": 0, "samples_used": 0, "dropped": dict.fromkeys(DROP_REASONS, 0),
             "truncated": 0, "rows": 0, "sample_tokens": 0, "row_tokens": 0, "loss_tokens": 0,
-            "examples": {}}
+            "examples": {}, "bad": []}
 
 
 def _count_problem(stats: dict, reason: str, message: str) -> None:
     stats["dropped"][reason] += 1
     stats["examples"].setdefault(reason, message)
+    stats["bad"].append([reason, message])
 
 
 def merge_stats(parts: Iterable[dict]) -> dict:
@@ -62,6 +63,7 @@ def merge_stats(parts: Iterable[dict]) -> dict:
             total["dropped"][reason] += n
         for reason, message in part["examples"].items():
             total["examples"].setdefault(reason, message)
+        total["bad"] += part.get("bad", [])
     total["dropped_total"] = sum(total["dropped"].values())
     total["packing_efficiency"] = total["sample_tokens"] / total["row_tokens"] if total["row_tokens"] else 0.0
     return total
@@ -71,36 +73,43 @@ def merge_stats(parts: Iterable[dict]) -> dict:
 
 
 def process_window(entries: Sequence[tuple], encoder: ChatEncoder, options: SFTOptions):
-    """Rows and statistics of one window of entries (see the package docstring)."""
+    """Rows and statistics of one window of entries (see the package docstring).
+
+    Every record is checked before any is reported, so the window's bad records come out in
+    file order (``stats["bad"]``: ``[reason, "file: line N: why"]``), and with
+    ``on_error="fail"`` the error names the first of them (prompt_too_long, a length policy,
+    never fails)."""
     stats = new_stats()
     stats["records_read"] = len(entries)
-    good = []
-    for entry in entries:
-        if entry[0] == "problem":
-            _count_problem(stats, entry[1], entry[2])
+    bad: list[tuple[int, RecordProblem, str]] = []  # (entry index, problem, where)
+    good = []  # (entry index, entry)
+    for index, entry in enumerate(entries):
+        if entry[0] == "problem":  # its message already names the place
+            bad.append((index, RecordProblem(entry[1], entry[2]), ""))
             continue
         try:
             _check_images(entry, options)
-            good.append(entry)
+            good.append((index, entry))
         except RecordProblem as problem:
-            _drop(stats, options, problem, entry[2])
+            bad.append((index, problem, entry[2]))
     vision = options.vision
     image_token = (vision.token_id, vision.tokens_per_image) if vision else None
     if vision is not None and vision.native:  # token counts depend on the images' sizes
-        good, image_token = _read_native(good, stats, options)
+        good, image_token = _read_native(good, bad, options)
     samples = []
-    for entry, result in zip(good, encoder.encode_many([e[1] for e in good], image_token)):
+    for (index, entry), result in zip(good, encoder.encode_many([e[1] for _, e in good], image_token)):
         try:
             if isinstance(result, RecordProblem):
                 raise result
             sample = _sample(entry, result, options)
         except RecordProblem as problem:
-            _drop(stats, options, problem, entry[2])
+            bad.append((index, problem, entry[2]))
             continue
         samples.append(sample)
         stats["truncated"] += sample[3]
         stats["sample_tokens"] += len(sample[0])
         stats["loss_tokens"] += int(sample[2].sum())
+    _report_bad(stats, options, bad)
     stats["samples_used"] = len(samples)
     rows = _rows(samples, encoder, options)
     stats["rows"] = len(rows["tokens"])
@@ -108,12 +117,18 @@ def process_window(entries: Sequence[tuple], encoder: ChatEncoder, options: SFTO
     return rows, stats
 
 
-def _drop(stats: dict, options: SFTOptions, problem: RecordProblem, where: str) -> None:
-    """Count a dropped record (``fail``: raise, except for the prompt_too_long length policy)."""
-    message = f"{where}: {problem.message}"
-    if options.on_error == "fail" and problem.reason != "prompt_too_long":
-        raise PreprocessError(message)
-    _count_problem(stats, problem.reason, message)
+def _report_bad(stats: dict, options: SFTOptions, bad: list) -> None:
+    """Count the window's dropped records in file order (``fail``: raise for the first one
+    that is not the prompt_too_long length policy)."""
+    bad.sort(key=lambda found: found[0])
+    messages = [(problem.reason, f"{where}: {problem.message}" if where else problem.message)
+                for _, problem, where in bad]
+    if options.on_error == "fail":
+        fatal = next((message for reason, message in messages if reason != "prompt_too_long"), None)
+        if fatal is not None:
+            raise PreprocessError(fatal)
+    for reason, message in messages:
+        _count_problem(stats, reason, message)
 
 
 def _check_images(entry: tuple, options: SFTOptions) -> None:
@@ -128,11 +143,12 @@ def _check_images(entry: tuple, options: SFTOptions) -> None:
     check_image_tags(entry[1], images)
 
 
-def _read_native(good: list, stats: dict, options: SFTOptions) -> tuple[list, list]:
+def _read_native(good: list, bad: list, options: SFTOptions) -> tuple[list, list]:
     """Native-resolution images: each record's images read (file bytes appended to its entry)
-    and sized; the records that fit, and each one's images' token ids for the encoder."""
+    and sized; the records that fit (with their entry index), and each one's images' token ids
+    for the encoder. The others go to ``bad``."""
     vision, kept, ids = options.vision, [], []
-    for entry in good:
+    for index, entry in good:
         # (kind, conversation, where, images, record file): every field, the bytes after them
         entry = (*entry[:3], entry[3] if len(entry) > 3 else [], entry[4] if len(entry) > 4 else "")
         try:
@@ -140,9 +156,9 @@ def _read_native(good: list, stats: dict, options: SFTOptions) -> tuple[list, li
             data, tokens = read_native_images(paths, vision)
             check_native_fit(vision, options.row_length, tokens)
         except RecordProblem as problem:
-            _drop(stats, options, problem, entry[2])
+            bad.append((index, problem, entry[2]))
             continue
-        kept.append((*entry, data))
+        kept.append((index, (*entry, data)))
         ids.append([vision.image_ids(n) for n in tokens])
     return kept, ids
 
@@ -213,12 +229,7 @@ def sft_rows(records: Sequence[object], tokenizer: ChatEncoder | str | Path, seq
 
     def entries():
         for i, record in enumerate(records):
-            try:
-                images = record_images(record) if isinstance(record, dict) else []
-                yield ("ok", conversation_from_record(record), f"{source}: record {i}", images,
-                       source)
-            except RecordProblem as problem:
-                yield problem_or_raise(problem.reason, f"{source}: record {i}: {problem.message}", on_error)
+            yield record_entry(source, f"record {i}", record)
 
     return _run_windows([windows(entries(), options.window)], encoder, options, files=1)
 
@@ -227,12 +238,13 @@ def sft_rows_from_files(paths: Sequence[str | Path], tokenizer: ChatEncoder | st
                         max_padding_length: int | None = None, packing: bool = False,
                         on_error: str = "skip", *, window: int = DEFAULT_WINDOW,
                         max_samples_per_row: int = DEFAULT_MAX_SAMPLES_PER_ROW,
-                        vision: Optional[VisionData] = None
+                        vision: Optional[VisionData] = None, max_records: int = 0
                         ) -> tuple[dict[str, np.ndarray], dict]:
     """:func:`sft_dataset`'s rows and summary, computed in this process without Ray.
 
     Same arguments and the same rows in the same order (the windows are the same); for
-    inspection, and for runs without Ray (torchrun).
+    inspection, and for runs without Ray (torchrun). ``max_records``: only the first this many
+    records of each file (0: all; a multiple of ``window`` keeps those windows' rows exact).
     """
     options = SFTOptions(seq_length, max_padding_length, packing, on_error, window, max_samples_per_row,
                          vision)
@@ -241,7 +253,8 @@ def sft_rows_from_files(paths: Sequence[str | Path], tokenizer: ChatEncoder | st
 
     def file_windows(path):
         with open_local(path) as f:
-            yield from windows(file_entries(f, path, on_error), options.window)
+            entries = file_entries(f, path)
+            yield from windows(itertools.islice(entries, max_records or None), options.window)
 
     return _run_windows([file_windows(p) for p in files], encoder, options, files=len(files))
 
