@@ -85,6 +85,8 @@ def dry_run(cfg, plan, files: bool = True, demo: bool = False) -> tuple[dict, li
         lines += checked.lines + [f"warning: {line}" for line in checked.warnings]
     except UserError as err:
         problems.append(str(err))
+    if not files:
+        lines.append(f"not checked (--plan-only): {'; '.join(local_checks.unchecked(cfg))}")
     if os.environ.get("RAY_ADDRESS"):
         result["preflight"] = _preflight(cfg)
         if not result["preflight"]["ok"]:
@@ -120,8 +122,9 @@ def main(argv=None) -> int:
     try:
         with warnings.catch_warnings(record=True) as notes:
             warnings.simplefilter("always")
-            cfg = absolute_paths(load(args.config or DEMO_CONFIG, args.overrides))
-            plan = build_plan(cfg)
+            files = not args.plan_only  # --plan-only: from the config alone
+            cfg = absolute_paths(load(args.config or DEMO_CONFIG, args.overrides, files=files))
+            plan = build_plan(cfg, files=files)
         # the demo builds its own corpus; the demo's settings on a user's corpus do not (it
         # would have been written beside theirs, then found missing)
         demo = args.config is None and cfg.data.data_path == _demo_data_path()

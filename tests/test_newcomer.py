@@ -95,6 +95,36 @@ def test_local_checks_name_missing_sft_files_and_tokenizer_together(tmp_path):
     assert f"data.tokenizer: tokenizer directory {tmp_path / 'tok'} does not exist" in message
 
 
+@pytest.mark.parametrize("config", sorted((REPO / "entrypoints" / "configs").glob("*.yaml")),
+                         ids=lambda path: path.stem)
+def test_every_shipped_config_plans_from_the_config_alone(config, tmp_path):
+    """--plan-only is for planning where the files are not (before renting PPUs): no data,
+    tokenizer or checkpoint.pretrained directory is needed, the preset stands in for its
+    config.json, and the dry run says what it left unchecked."""
+    cfg = absolute_paths(load(config, ["data.data_path=[]", "data.valid_data_path=[]",
+                                       "data.tokenizer=null", f"output.dir={tmp_path / 'out'}"],
+                              files=False))
+    plan = build_plan(cfg, files=False)
+    local_checks.check(cfg, plan, files=False)
+    assert plan.world_size >= 1 and plan.train_iters > 0
+    unchecked = " ".join(local_checks.unchecked(cfg))
+    assert "the training data" in unchecked and "where the run starts" in unchecked
+    assert ("data.tokenizer" in unchecked) == (cfg.data.dataset == "sft")
+    assert ("checkpoint.pretrained" in unchecked) == bool(cfg.checkpoint.pretrained)
+    with pytest.raises(ConfigError):  # the launch still asks for what it reads
+        build_plan(cfg)
+
+
+def test_plan_only_of_the_vl_lora_config_needs_none_of_its_directories():
+    """The shipped Qwen2.5-VL LoRA config names /mnt/... paths that are not here."""
+    proc = _run("pretrain.py", "--config", str(REPO / "entrypoints" / "configs" /
+                                               "qwen2.5-vl-7b-lora.yaml"), "--dry-run", "--plan-only")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["plan"]["world_size"] >= 1
+    assert "not checked (--plan-only): the training data" in proc.stderr
+    assert "checkpoint.pretrained (its config.json against the preset" in proc.stderr
+
+
 def test_a_72b_plan_on_16_devices_is_refused_with_a_layout_that_fits():
     proc = _run("pretrain.py", "--config", str(CONFIG_7B), "--dry-run", "--plan-only",
                 "model.preset=72B")

@@ -140,11 +140,16 @@ def _build_section(cls: type, values: dict, section: str, base: Any = None) -> A
     return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
 
 
-def _build_model(values: dict, pretrained: Any = None) -> ModelConfig:
+def _build_model(values: dict, pretrained: Any = None, files: bool = True) -> ModelConfig:
     """The model section on top of its preset. With ``checkpoint.pretrained`` and no preset,
     on top of that directory's config.json instead; either way the result must then be
-    config.json's architecture (training-only fields aside)."""
+    config.json's architecture (training-only fields aside). ``files=False`` (planning where
+    the files are not): a preset's model is taken as it is when that config.json is not
+    there."""
     values = dict(values)
+    if pretrained and not files and values.get("preset") is not None and not (
+            Path(str(pretrained)).expanduser() / "config.json").is_file():
+        pretrained = None
     given = values.pop("preset", None if pretrained else "tiny")
     name = None if given is None else preset_name(given)
     if given is not None and name is None:
@@ -166,8 +171,10 @@ def _build_model(values: dict, pretrained: Any = None) -> ModelConfig:
     return model
 
 
-def from_dict(tree: dict) -> RunConfig:
-    """Typed RunConfig from a nested dict (a parsed YAML file); unknown keys are errors."""
+def from_dict(tree: dict, files: bool = True) -> RunConfig:
+    """Typed RunConfig from a nested dict (a parsed YAML file); unknown keys are errors.
+    ``files=False``: a preset stands in for a checkpoint.pretrained directory that is not
+    there (``--plan-only``)."""
     sections = {f.name: f for f in dataclasses.fields(RunConfig)}
     hints = typing.get_type_hints(RunConfig)
     built = {}
@@ -180,7 +187,8 @@ def from_dict(tree: dict) -> RunConfig:
             built[name] = _build_section(hints[name], values, name)
     pretrained = built["checkpoint"].pretrained if "checkpoint" in built else None
     model = (tree or {}).get("model", {})
-    built["model"] = _build_model(model, pretrained) if model or pretrained else PRESETS["tiny"]
+    built["model"] = (_build_model(model, pretrained, files) if model or pretrained
+                      else PRESETS["tiny"])
     # a vision-language preset brings its vision section, a LLaVA checkpoint or a vision
     # tower directory its own; explicit vision.* keys override it
     vision_base = VISION_PRESETS.get(built["model"].preset, (None, VisionConfig()))[1]
@@ -251,8 +259,9 @@ def _one_form_per_length(tree: dict, overridden: set[str], origin: str) -> None:
                               f"iterations or in tokens; set one")
 
 
-def load(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Read ``path`` (YAML; None = all defaults) and apply ``section.field=value`` overrides."""
+def load(path: str | Path | None, overrides: Iterable[str] = (), files: bool = True) -> RunConfig:
+    """Read ``path`` (YAML; None = all defaults) and apply ``section.field=value`` overrides
+    (``files=False``: see :func:`from_dict`)."""
     tree: dict = {}
     if path is not None:
         path = Path(path)
@@ -272,4 +281,4 @@ def load(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
         _merge(tree, keys, value)
         overridden.add(".".join(keys))
     _one_form_per_length(tree, overridden, str(path) if path is not None else "the defaults")
-    return from_dict(tree)
+    return from_dict(tree, files)

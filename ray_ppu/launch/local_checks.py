@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -63,6 +64,20 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
         raise ConfigError("the run cannot start:\n  - " + "\n  - ".join(
             problem.replace("\n", "\n    ") for problem in problems))
     return Checked(cfg, resume, lines, warnings)
+
+
+def unchecked(cfg: RunConfig) -> list[str]:
+    """What a plan made from the config alone (``files=False``) leaves for the run's checks."""
+    found = ["the training data (data.data_path, data.valid_data_path)"
+             + (": files, records, images" if cfg.data.dataset == "sft" else ": headers, sizes, token ids")]
+    if cfg.data.dataset == "sft":
+        found.append("data.tokenizer and its chat template")
+    if cfg.checkpoint.pretrained:
+        found.append("checkpoint.pretrained (its config.json against the preset, its weights)")
+    found.append("where the run starts (checkpoint.load, output.dir's checkpoints)")
+    if not os.environ.get("RAY_ADDRESS"):
+        found.append("the cluster (with RAY_ADDRESS set: its nodes, paths and devices)")
+    return found
 
 
 def _data_lines(cfg: RunConfig, plan: Plan, problems: list[str]) -> list[str]:

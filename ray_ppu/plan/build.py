@@ -85,10 +85,11 @@ class Plan:
         return dataclasses.asdict(self)
 
 
-def build_plan(cfg: RunConfig, forward_only: bool = False) -> Plan:
+def build_plan(cfg: RunConfig, forward_only: bool = False, files: bool = True) -> Plan:
     """Validate the config against itself (:func:`ray_ppu.plan.rules.problems`: ConfigError lists
-    every problem) and derive the plan (``forward_only``: of a model that never trains)."""
-    found = rules.problems(cfg, forward_only)
+    every problem) and derive the plan (``forward_only``: of a model that never trains;
+    ``files=False``: for planning where the data is not, ``--plan-only``)."""
+    found = rules.problems(cfg, forward_only, files)
     if found:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
     m, p, t = cfg.model, cfg.parallel, cfg.training

@@ -76,7 +76,7 @@ def fitting_change(cfg: RunConfig) -> Optional[tuple[dict, MemoryPlan]]:
                    "training.use_distributed_optimizer": True}
         trial = _changed(cfg, changes)
         try:
-            fitted = memory_plan(trial, build_plan(trial))
+            fitted = memory_plan(trial, build_plan(trial, files=False))  # layouts, not data
         except ConfigError:
             continue
         if not fitted.fits:

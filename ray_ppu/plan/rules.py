@@ -20,9 +20,10 @@ from ray_ppu.plan.sizes import size_problems
 from ray_ppu.plan.te_options import needs_transformer_engine
 
 
-def problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
+def problems(cfg: RunConfig, forward_only: bool = False, files: bool = True) -> list[str]:
     """All of the config's problems, in the order a reader meets the fields (``forward_only``:
-    a model for forward passes, conversion or generation, that never trains). A size out of
+    a model for forward passes, conversion or generation, that never trains; ``files=False``:
+    a plan made where the files are not, which need not name its data or tokenizer). A size out of
     its bound (:mod:`ray_ppu.plan.sizes`) skips the rules that compute with the sizes: their
     arithmetic on a zero or negative number would only add noise."""
     sizes = size_problems(cfg)
@@ -34,7 +35,7 @@ def problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
     found += schedule_problems(cfg, check_warmup=not found)
     return (found + run_problems(cfg) + checkpoint_problems(cfg)
             + lora.problems(cfg, forward_only) + vision_problems(cfg, forward_only)
-            + _data_problems(cfg))
+            + _data_problems(cfg, files))
 
 
 def vision_problems(cfg: RunConfig, forward_only: bool = False) -> list[str]:
@@ -282,16 +283,17 @@ def _option_problems(cfg: RunConfig, layers_per_chunk: Optional[int]) -> list[st
     return problems
 
 
-def _data_problems(cfg: RunConfig) -> list[str]:
-    """Blend syntax, split syntax, and a validation source when validation is asked for."""
+def _data_problems(cfg: RunConfig, files: bool = True) -> list[str]:
+    """Blend syntax, split syntax, and a validation source when validation is asked for
+    (``files=False``: only what is given is checked; nothing need be named)."""
     from ray_ppu.data.idxmap import BlendError, parse_blend
 
     d, t = cfg.data, cfg.training
     if d.dataset == "sft":
-        return _sft_problems(cfg)
+        return _sft_problems(cfg, files)
     problems = []
     for key, value in (("data.data_path", d.data_path), ("data.valid_data_path", d.valid_data_path)):
-        if value or key == "data.data_path":
+        if value or (key == "data.data_path" and files):
             try:
                 parse_blend(value, key)
             except BlendError as err:
@@ -304,20 +306,21 @@ def _data_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"data.split '{d.split}': expected up to three non-negative shares, "
                         f"e.g. 99,1,0")
         shares = [1.0]
-    if t.eval_iters and not d.valid_data_path and (len(shares) < 2 or shares[1] == 0):
+    if t.eval_iters and not d.valid_data_path and (len(shares) < 2 or shares[1] == 0) and files:
         problems.append(f"eval_iters {t.eval_iters} asks for validation but split '{d.split}' "
                         f"gives it no documents: set data.valid_data_path, a validation share "
                         f"in data.split, or training.eval_iters=0")
     return problems
 
 
-def _sft_problems(cfg: RunConfig) -> list[str]:
-    """SFT: JSON inputs, a tokenizer, a padding length that fits, validation data if asked."""
+def _sft_problems(cfg: RunConfig, files: bool = True) -> list[str]:
+    """SFT: JSON inputs, a tokenizer, a padding length that fits, validation data if asked
+    (``files=False``: the inputs, tokenizer and validation data need not be named)."""
     d, t = cfg.data, cfg.training
     problems = []
-    if not d.data_path:
+    if not d.data_path and files:
         problems.append("data.data_path is empty: name the SFT training JSON files")
-    if not d.tokenizer:
+    if not d.tokenizer and files:
         problems.append("data.dataset=sft needs data.tokenizer (a Hugging Face tokenizer or "
                         "checkpoint directory with a chat template)")
     if d.max_padding_length is not None and not 0 < d.max_padding_length <= t.seq_length:
@@ -326,7 +329,7 @@ def _sft_problems(cfg: RunConfig) -> list[str]:
     if d.packing and d.max_padding_length is not None:
         problems.append("data.max_padding_length applies to padded samples; with data.packing "
                         "rows are seq_length long (drop one of the two)")
-    if t.eval_iters and not d.valid_data_path:
+    if t.eval_iters and not d.valid_data_path and files:
         problems.append(f"eval_iters {t.eval_iters} asks for validation: set "
                         f"data.valid_data_path (SFT has no split) or training.eval_iters=0")
     if not 0.0 <= d.max_dropped_share <= 1.0:
