@@ -100,12 +100,16 @@ def _preflight(cfg) -> dict:
     """Join the cluster in RAY_ADDRESS (unless already connected) and run the preflight."""
     import ray
 
-    from ray_ppu.launch import preflight
+    from ray_ppu.errors import ClusterError
+    from ray_ppu.launch import preflight, ray_connect
 
     joined = not ray.is_initialized()
     if joined:
         try:
+            ray_connect.check_reachable(os.environ["RAY_ADDRESS"], cfg.cluster.connect_timeout_s)
             ray.init(log_to_driver=False)  # RAY_ADDRESS names the cluster
+        except ClusterError as err:
+            return {"ok": False, "nodes": [], "problems": [str(err)]}
         except ConnectionError as err:
             problem = f"cannot join the cluster at RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {err}"
             return {"ok": False, "nodes": [], "problems": [problem]}

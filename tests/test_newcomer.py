@@ -11,6 +11,7 @@ points as users run them, one per behaviour.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,9 +37,10 @@ CONFIG_7B = REPO / "entrypoints" / "configs" / "qwen2.5-7b-pretrain.yaml"
 DEMO = REPO / "entrypoints" / "configs" / "demo.yaml"
 
 
-def _run(script, *args, cwd=None) -> subprocess.CompletedProcess:
+def _run(script, *args, cwd=None, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "entrypoints" / script), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=180,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -80,6 +82,34 @@ def test_the_demos_settings_on_a_users_corpus_do_not_build_the_demo_corpus_there
     assert _error_lines(proc.stderr) == ["error: unusable idxmap corpus:"], proc.stderr[-2000:]
     assert f"{users / 'corpus'}.bin: missing" in proc.stderr
     assert list(users.iterdir()) == [] and not (tmp_path / "out").exists()
+
+
+def test_an_unreachable_ray_address_and_a_ray_that_cannot_start_are_one_line(tmp_path):
+    """RAY_ADDRESS naming no cluster: the dry run and the launch stop after
+    cluster.connect_timeout_s with the address (they hung for minutes on Ray's GCS retries);
+    a local Ray that cannot start: Ray's reason in one line (it was Ray's traceback)."""
+    from ray_ppu.util.net import free_port
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    args = [f"output.dir={tmp_path / 'out'}", "cluster.connect_timeout_s=2"]
+    for extra in (["--dry-run"], []):
+        proc = _run("pretrain.py", *args, *extra, cwd=tmp_path, env={"RAY_ADDRESS": address})
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        (line,) = [l for l in proc.stderr.splitlines() if "cannot reach" in l]
+        assert line.endswith(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: "
+                             f"Connection refused for 2 s (cluster.connect_timeout_s); is it "
+                             f"running there (`ray status` on its head node), or unset "
+                             f"RAY_ADDRESS to start a local Ray"), line
+        assert "Traceback" not in proc.stderr
+    (tmp_path / "a_file").write_text("")
+    proc = _run("pretrain.py", *args, cwd=tmp_path,
+                env={"RAY_TMPDIR": str(tmp_path / "a_file" / "ray")})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert _error_lines(proc.stderr) == [
+        f"error: Ray could not start on this machine: [Errno 20] Not a directory: "
+        f"'{tmp_path / 'a_file' / 'ray'}' (a loaded machine or a full /tmp/ray: try again, or "
+        f"start Ray with `ray start --head` and set RAY_ADDRESS)"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
 
 
 def test_local_checks_name_missing_sft_files_and_tokenizer_together(tmp_path):

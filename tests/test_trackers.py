@@ -267,3 +267,23 @@ def test_no_tracker_imports_none_and_a_missing_package_is_one_line(tmp_path, mon
         "mlflow needs its package: pip install no_such_module_here (or pip install "
         "'ray-ppu[trackers]')")
     assert not (tmp_path / "run").exists()
+
+
+def test_online_wandb_without_credentials_is_refused_before_the_run(monkeypatch, tmp_path):
+    """W&B online with no key anywhere trained, waited 30 s at the end and dropped every row
+    (exit 0); now the local checks refuse it in one line, and a key, a netrc entry or offline
+    mode lets it through."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_BASE_URL", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (refused,) = trackers.problems(["wandb"], "online")
+    assert refused.startswith("output.trackers: wandb with output.wandb_mode=online, and no W&B "
+                              "credentials here"), refused
+    assert "output.wandb_mode=offline" in refused
+    assert trackers.problems(["wandb"], "offline") == []
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k3y\n")
+    assert trackers.problems(["wandb"], "online") == []
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k3y")
+    assert trackers.problems(["wandb"], "online") == []

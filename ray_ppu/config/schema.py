@@ -310,6 +310,10 @@ class ClusterConfig:
     elastic_resize_interval_s: float = 60.0
     """Elastic: how often Ray Train checks whether more workers fit (a grow restarts the group
     from the latest checkpoint: keep it near the time between checkpoints). [> 0]"""
+    connect_timeout_s: float = 30.0
+    """How long the driver tries to reach the cluster in RAY_ADDRESS (its GCS port) before it
+    stops with one line naming the address (Ray's own client retries for minutes, printing
+    only its retries). [> 0]"""
     group_start_timeout_s: float = 60.0
     """How long Ray Train waits for a worker group's workers to be placed before deciding
     again (elastic: after a node loss it may first try the old size while Ray still counts the

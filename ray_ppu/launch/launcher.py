@@ -29,7 +29,7 @@ from ray.train import FailureConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from ray_ppu import checkpoint, devices, quiet
-from ray_ppu.launch import job_stop, local_checks, preflight, ray_worker
+from ray_ppu.launch import job_stop, local_checks, preflight, ray_connect, ray_worker
 from ray_ppu.recovery import snapshot_keeper, watchdog
 from ray_ppu.errors import ClusterError, ConfigError, CrashLoop
 from ray_ppu.config.schema import RunConfig
@@ -79,6 +79,7 @@ def connect(cfg: RunConfig) -> bool:
 
 def _connect(cfg: RunConfig) -> bool:
     if os.environ.get("RAY_ADDRESS"):
+        ray_connect.check_reachable(os.environ["RAY_ADDRESS"], cfg.cluster.connect_timeout_s)
         ray.init(log_to_driver=True)
         quiet.filter_forwarded_logs()
         return False
@@ -91,7 +92,9 @@ def _connect(cfg: RunConfig) -> bool:
     readers = preflight.readers_per_node(cfg, ppus) * cfg.data.reader_cpus
     cpus = max(os.cpu_count() or 1, math.ceil(c.num_workers * c.cpus_per_worker + readers) + 1)
     # address="local": a new Ray even when `ray start` left a cluster on this machine
-    ray.init(address="local", num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
+    with ray_connect.starting():
+        ray.init(address="local", num_cpus=cpus, resources={c.resource_name: ppus},
+                 log_to_driver=True)
     quiet.filter_forwarded_logs()
     return True
 

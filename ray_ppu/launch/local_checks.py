@@ -44,7 +44,7 @@ def check(cfg: RunConfig, plan: Plan, files: bool = True, data: bool = True) -> 
     found = fit_problem(cfg, plan)
     if found:
         problems.append(found)
-    problems += tracker_problems(cfg.output.trackers)
+    problems += tracker_problems(cfg.output.trackers, cfg.output.wandb_mode)
     if cfg.vision.native and importlib.util.find_spec("transformers") is None:
         problems.append(f"vision.encoder={cfg.vision.encoder} runs transformers' vision tower: "
                         f"pip install 'transformers>=5.25' (or pip install 'ray-ppu[qwen-vl]')")

@@ -25,6 +25,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -42,8 +43,10 @@ _POLL_S = 1.0  # metrics.jsonl is read this often
 _BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)  # waits between tries while a tracker is down
 
 
-def problems(trackers: list[str]) -> list[str]:
-    """``output.trackers`` problems, one line each: an unknown name, a package not installed."""
+def problems(trackers: list[str], wandb_mode: str = "offline") -> list[str]:
+    """``output.trackers`` problems, one line each: an unknown name, a package not installed,
+    W&B online without credentials (refused rather than sent offline: a run the user expects
+    on the dashboard would be missing from it, and every row dropped at the end)."""
     found = []
     for name in trackers:
         if name not in PACKAGES:
@@ -52,7 +55,39 @@ def problems(trackers: list[str]) -> list[str]:
         elif importlib.util.find_spec(PACKAGES[name]) is None:
             found.append(f"output.trackers: {name} needs its package: pip install "
                          f"{PACKAGES[name]} (or pip install 'ray-ppu[trackers]')")
+        elif name == "wandb" and wandb_mode == "online" and not wandb_credentials():
+            found.append("output.trackers: wandb with output.wandb_mode=online, and no W&B "
+                         "credentials here (WANDB_API_KEY, `wandb login`'s netrc entry or "
+                         "settings file): log in, or set output.wandb_mode=offline and "
+                         "`wandb sync` the run later")
     return found
+
+
+def wandb_credentials() -> bool:
+    """Whether W&B finds an API key the way it looks for one (without importing it): the
+    environment, the netrc entry of its host, a settings file; or a mode that never sends."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") in (
+            "offline", "disabled", "dryrun"):
+        return True
+    import netrc
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    home = Path.home()
+    for path in filter(None, (os.environ.get("NETRC"), home / ".netrc", home / "_netrc")):
+        try:
+            if netrc.netrc(path).authenticators(host):
+                return True
+        except (OSError, netrc.NetrcParseError):
+            continue
+    config = Path(os.environ.get("WANDB_CONFIG_DIR", home / ".config" / "wandb"))
+    for settings in (config / "settings", Path("wandb") / "settings"):
+        try:
+            if "api_key" in settings.read_text():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 class _Sender:
@@ -253,7 +288,7 @@ def feeding(cfg, plan) -> Iterator[Optional[Feed]]:
     if not cfg.output.trackers:
         yield None
         return
-    found = problems(cfg.output.trackers)
+    found = problems(cfg.output.trackers, cfg.output.wandb_mode)
     if found:  # the launch's local checks come after the feed starts: say it here, one line
         raise ConfigError("; ".join(found))
     out = Path(cfg.output.dir)

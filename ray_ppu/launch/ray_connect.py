@@ -1,0 +1,66 @@
+"""Joining the cluster in RAY_ADDRESS, or starting a local Ray, with a failure as one line.
+
+Two ways a launch used to fail that were not the user's data or config, and did not say so:
+an unreachable ``RAY_ADDRESS`` (a typo, a cluster not started) kept Ray's client retrying the
+GCS for minutes, printing only its retries; and a local Ray that did not come up in time on a
+loaded machine ended in Ray's raw ``Exception: The current node timed out during startup``
+traceback. :func:`check_reachable` probes the address's GCS port for
+``cluster.connect_timeout_s`` before Ray's client is asked to, and :func:`starting` turns a
+start failure into a :class:`~ray_ppu.errors.ClusterError` that names what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from typing import Optional
+
+from ray_ppu.errors import ClusterError
+
+
+def gcs_endpoint(address: str) -> Optional[tuple[str, int]]:
+    """``(host, port)`` of a ``host:port`` or ``ray://host:port`` address; None for the forms
+    Ray resolves itself (``auto``, ``local``)."""
+    address = address.strip().removeprefix("ray://")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(address: str, timeout_s: float) -> None:
+    """Return once ``address``'s port accepts a TCP connection; ClusterError, naming the
+    address and the last error, when it has not for ``timeout_s`` (a cluster still starting
+    gets that long)."""
+    endpoint = gcs_endpoint(address)
+    if endpoint is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(endpoint, timeout=min(5.0, timeout_s)):
+                return
+        except OSError as err:
+            last = err.strerror or str(err) or type(err).__name__
+        if time.monotonic() >= deadline:
+            raise ClusterError(
+                f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {last} for "
+                f"{timeout_s:g} s (cluster.connect_timeout_s); is it running there (`ray status` "
+                f"on its head node), or unset RAY_ADDRESS to start a local Ray")
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+
+@contextlib.contextmanager
+def starting():
+    """Ray's failure to start a local instance as one line (the machine's load, its
+    /tmp/ray, its ports) instead of Ray's traceback."""
+    try:
+        yield
+    except ClusterError:
+        raise
+    except Exception as err:  # Ray raises plain Exception, RuntimeError or ConnectionError
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ClusterError(f"Ray could not start on this machine: {cause} (a loaded machine "
+                           f"or a full /tmp/ray: try again, or start Ray with `ray start "
+                           f"--head` and set RAY_ADDRESS)") from None
