@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from ray_ppu import quiet  # noqa: E402
 from ray_ppu.config.loader import load  # noqa: E402
 from ray_ppu.errors import ConfigError, UserError, entry_point  # noqa: E402
 from ray_ppu.plan import build_plan  # noqa: E402
@@ -122,6 +123,7 @@ def _preflight(cfg) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    quiet.plain_output()  # before Ray is imported: no colour codes in a log file
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     try:
         with warnings.catch_warnings(record=True) as notes:

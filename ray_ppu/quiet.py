@@ -10,7 +10,12 @@ else still shows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
+import sys
+import threading
 import warnings
 from typing import Optional
 
@@ -94,3 +99,73 @@ def _filtered(handler):
 
     emit._ray_ppu_filter = True
     return emit
+
+
+# Lines the driver's own C++ core worker writes to its stderr (file descriptor 2, below Python:
+# neither logging nor Ray's forwarding sees them), exact text and why:
+_NATIVE = (
+    # as in _FORWARDED: the SFT pipeline's map workers, created by the driver
+    b"has constructor arguments in the object store and max_restarts > 0",
+)
+
+
+@contextlib.contextmanager
+def native_stderr_filtered():
+    """While the block runs, file descriptor 2 goes through a pipe that drops :data:`_NATIVE`
+    lines and passes every other line on, in order (Python's writes to stderr included)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (AttributeError, OSError, ValueError):  # no real stderr: nothing to filter
+        yield
+        return
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+
+    def pump():
+        with os.fdopen(read, "rb") as lines:
+            for line in lines:
+                if not any(text in line for text in _NATIVE):
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=pump, name="stderr-filter", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # the pipe's last writer closed: the pump reads to its end
+        thread.join(timeout=5.0)
+        if not thread.is_alive():  # else a child still holds the pipe: the pump keeps saved
+            os.close(saved)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class _Plain:
+    """A text stream with ANSI escape sequences taken out of what is written to it."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(_ANSI.sub("", text))
+
+    def writelines(self, lines) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def plain_output() -> None:
+    """Colour codes only on a terminal. Ray colours the prefixes of the lines it forwards and
+    its start line; in a file (a Ray job's log, a redirected run) they are noise. Call it
+    before Ray is imported: Ray's log handler keeps the stream it finds then."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _Plain) and not stream.isatty():
+            setattr(sys, name, _Plain(stream))

@@ -36,15 +36,19 @@ def ray_cluster():
     """A local Ray whose raylet advertises 4 simulated PPUs with per-unit ids."""
     import ray
 
+    from ray_ppu.launch import ray_connect
     from ray_ppu.launch.launcher import UNIT_INSTANCE_RESOURCES
 
     os.environ["RAY_custom_unit_instance_resources"] = UNIT_INSTANCE_RESOURCES
     # the workers report their gauges every 2 s (Ray's default 10 s is most of a test run's
     # training on a busy machine: the metrics-endpoint test then scraped nothing)
     os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
-    ray.init(address="local", num_cpus=8, resources={"PPU": SIMULATED_PPUS}, log_to_driver=True)
+    # started as a launch starts its own: the state API pinned to this instance (the suite's
+    # launches in subprocesses start theirs beside it)
+    ray_connect.start_local(num_cpus=8, resources={"PPU": SIMULATED_PPUS}, log_to_driver=True)
     yield ray
     ray.shutdown()
+    ray_connect.unpin()
 
 
 @pytest.fixture(scope="session")

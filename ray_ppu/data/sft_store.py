@@ -27,6 +27,7 @@ from typing import Optional
 import numpy as np
 
 from ray_ppu.data.sft.image_samples import VisionData, decode_rows, vision_data
+from ray_ppu import quiet
 from ray_ppu.errors import PreprocessError, remote_cause
 
 log = logging.getLogger("ray_ppu")
@@ -121,7 +122,7 @@ def _write_split(spec: SFTSpec, split: str) -> dict:
                                vision=spec.vision)
     tmp.mkdir(parents=True, exist_ok=True)  # after the inputs and tokenizer were checked
     try:
-        with _ray_data_errors_unlogged():
+        with _ray_data_errors_unlogged(), quiet.native_stderr_filtered():
             shapes, rows = _write_columns(ds, tmp)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # no half-written split stays in the cache

@@ -92,9 +92,7 @@ def _connect(cfg: RunConfig) -> bool:
     readers = preflight.readers_per_node(cfg, ppus) * cfg.data.reader_cpus
     cpus = max(os.cpu_count() or 1, math.ceil(c.num_workers * c.cpus_per_worker + readers) + 1)
     # address="local": a new Ray even when `ray start` left a cluster on this machine
-    with ray_connect.starting():
-        ray.init(address="local", num_cpus=cpus, resources={c.resource_name: ppus},
-                 log_to_driver=True)
+    ray_connect.start_local(num_cpus=cpus, resources={c.resource_name: ppus}, log_to_driver=True)
     quiet.filter_forwarded_logs()
     return True
 
@@ -248,6 +246,7 @@ def shutdown() -> None:
     while time.monotonic() < deadline and _alive_train_helpers():
         time.sleep(0.1)
     ray.shutdown()
+    ray_connect.unpin()
 
 
 def _alive_train_helpers() -> bool:

@@ -12,6 +12,7 @@ start failure into a :class:`~ray_ppu.errors.ClusterError` that names what to do
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from typing import Optional
@@ -64,3 +65,46 @@ def starting():
         raise ClusterError(f"Ray could not start on this machine: {cause} (a loaded machine "
                            f"or a full /tmp/ray: try again, or start Ray with `ray start "
                            f"--head` and set RAY_ADDRESS)") from None
+
+
+# Ray's state API (list_actors, get_actor) finds "the" local cluster by scanning this
+# machine's processes when no address is given: beside a second local Ray (another run, a test
+# session's) it finds two and raises, in the driver and in Ray Train's placement-group cleaner,
+# whose monitor thread then dies with a traceback. Ray's clients take the API server from this
+# variable first; workers inherit it from the raylet, which inherits it from the driver.
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"
+_pinned: list[Optional[str]] = []  # what API_SERVER_ENV was before start_local set it
+
+
+def start_local(**init_args) -> None:
+    """``ray.init(address="local", **init_args)`` with its dashboard (the state API's server)
+    on a port chosen here, and every client of that API in this process and in the workers
+    pinned to it: a run talks only to the Ray it started. A start failure is one line
+    (:func:`starting`). :func:`unpin` after ``ray.shutdown()``."""
+    import ray
+
+    from ray_ppu.util.net import free_port
+
+    # A port of the OS's choosing, not Ray's 8265: two runs starting at once both found 8265
+    # free, and the second one's dashboard (given a port, Ray does not try another) failed.
+    # Ray's start line names it.
+    port = free_port("127.0.0.1")
+    _pinned.append(os.environ.get(API_SERVER_ENV))
+    os.environ[API_SERVER_ENV] = f"http://127.0.0.1:{port}"
+    try:
+        with starting():
+            ray.init(address="local", dashboard_port=port, **init_args)
+    except BaseException:
+        unpin()
+        raise
+
+
+def unpin() -> None:
+    """Put back what :func:`start_local` found in the environment."""
+    if not _pinned:
+        return
+    previous = _pinned.pop()
+    if previous is None:
+        os.environ.pop(API_SERVER_ENV, None)
+    else:
+        os.environ[API_SERVER_ENV] = previous
