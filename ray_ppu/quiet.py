@@ -28,6 +28,12 @@ from typing import Optional
 # and TE runs use TE's fused norm either way.
 _MESSAGES = (r"Transformer Engine and Apex are not installed",
              r"Apex is not installed\. Falling back to Torch Norm")
+# Megatron-Core's distributed checkpoints are torch.distributed.checkpoint's ShardedTensor
+# format, loaded with its load_state_dict: torch says both are deprecated, on every rank at
+# every load. Megatron-Core's choice, with nothing for a ray_ppu user to change.
+_FUTURE = (r"`load_state_dict` is deprecated and will be removed in future versions\. Please "
+           r"use `load` instead\.",
+           r"Please use DTensor instead and we are deprecating ShardedTensor\.")
 # Megatron-FSDP (which we do not use) logs at import which of its back ends it found.
 _QUIET_LOGGERS = ("megatron.core.distributed.fsdp",)
 
@@ -63,6 +69,8 @@ def show_our_logs() -> None:
 def install() -> None:
     for message in _MESSAGES:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for message in _FUTURE:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     for name in _QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
 
