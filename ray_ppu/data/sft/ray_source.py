@@ -134,6 +134,10 @@ def sft_dataset(paths: Sequence[str | Path], tokenizer_dir: ChatEncoder | str | 
     # A bad record with on_error="fail" reaches the consumer as our PreprocessError, naming
     # file and line (not as Ray Data's UserCodeException, which does not carry its cause over)
     ds.context.raise_original_map_exception = True
+    # A column Arrow cannot hold natively (a block of image file bytes it does not take as
+    # binary) is pickled; said explicitly, Ray Data does not log its ArrowConversionError
+    # warning about it on a user's run (the rows are the same either way)
+    ds.context.enable_fallback_to_arrow_object_ext_type = True
     pool = ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2)
     ds = ds.map_batches(_ProcessWindows, fn_constructor_args=(encoder, options, sink), batch_size=None,
                         batch_format="pyarrow", compute=pool, num_cpus=1)
