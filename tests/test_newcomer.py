@@ -92,8 +92,19 @@ def test_an_unreachable_ray_address_and_a_ray_that_cannot_start_are_one_line(tmp
 
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     args = [f"output.dir={tmp_path / 'out'}", "cluster.connect_timeout_s=2"]
-    for extra in (["--dry-run"], []):
-        proc = _run("pretrain.py", *args, *extra, cwd=tmp_path, env={"RAY_ADDRESS": address})
+    (tmp_path / "a_file").write_text("")
+    script = str(REPO / "entrypoints" / "pretrain.py")
+    env = {"dry": {"RAY_ADDRESS": address}, "launch": {"RAY_ADDRESS": address},
+           "start": {"RAY_TMPDIR": str(tmp_path / "a_file" / "ray")}}
+    procs = {name: subprocess.Popen(  # at once: most of each is importing
+        [sys.executable, script, *args, *(["--dry-run"] if name == "dry" else [])], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **extra})
+        for name, extra in env.items()}
+    done = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=180)
+        done[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    for proc in (done["dry"], done["launch"]):
         assert proc.returncode == 2, proc.stderr[-2000:]
         (line,) = [l for l in proc.stderr.splitlines() if "cannot reach" in l]
         assert line.endswith(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: "
@@ -101,9 +112,7 @@ def test_an_unreachable_ray_address_and_a_ray_that_cannot_start_are_one_line(tmp
                              f"running there (`ray status` on its head node), or unset "
                              f"RAY_ADDRESS to start a local Ray"), line
         assert "Traceback" not in proc.stderr
-    (tmp_path / "a_file").write_text("")
-    proc = _run("pretrain.py", *args, cwd=tmp_path,
-                env={"RAY_TMPDIR": str(tmp_path / "a_file" / "ray")})
+    proc = done["start"]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert _error_lines(proc.stderr) == [
         f"error: Ray could not start on this machine: [Errno 20] Not a directory: "
