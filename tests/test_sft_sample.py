@@ -236,3 +236,24 @@ def test_inspect_data_shows_vl_rows_as_the_model_sees_them(vl_corpus, qwen2_toke
     for view, _ in views:
         assert view.trained == int(rows["loss_mask"][view.row].sum())
         assert sum(view.lengths) + view.pad == 128
+
+
+def test_many_files_share_the_sample_budget(qwen2_tokenizer_dir, tmp_path):
+    """Over 16 files, the budget of 16 files is shared out: every file is still read (head and
+    rest), and the total stays that of 16 files."""
+    from ray_ppu.data.sft import sample_check
+    from ray_ppu.data.sft.rows import SFTOptions
+    from ray_ppu.data.sft.windows import as_encoder
+
+    files = []
+    for k in range(40):
+        path = tmp_path / f"part-{k:03d}.jsonl"
+        lines = ['{"first": '] + [_alpaca(i) for i in range(29)]  # each file's line 1 is bad
+        path.write_text("\n".join(lines) + "\n")
+        files.append(str(path))
+    report = sample_check.sample_split("train", files, as_encoder(str(qwen2_tokenizer_dir)),
+                                       SFTOptions(64), 20)
+    assert report.stats["records_read"] == 40 * 2 * (16 * 20 // 40)  # 8 + 8 of each file
+    assert report.files == 40
+    assert [message for _, message in report.stats["bad"]] == [
+        f"{path}: line 1: invalid JSON: Expecting value: line 1 column 11 (char 10)" for path in files]

@@ -224,7 +224,8 @@ class DataConfig:
     """sft: records of each file read before any Ray starts (``--dry-run`` and the launch): the
     first check_records, and as many spread over the rest of the file (JSON Lines and Parquet;
     a compressed file: the first only), read, templated, tokenized and their images opened as
-    the pipeline does. 0 = no sample. [≥ 0]"""
+    the pipeline does; over 16 files, 16 files' worth shared out among them (at least 1 + 1
+    each). 0 = no sample. [≥ 0]"""
     split: str = "99,1,0"
     """Train/validation/test split of ``data_path``'s documents, Megatron's "a,b,c" form (ignored
     when ``valid_data_path`` is set: training then uses all of ``data_path``)."""
