@@ -79,9 +79,12 @@ def html_page(title: str, found: dict, source: str, views: list[tuple[RowView, s
             for key, value in found.items()]
     out.append("</table>")
     for view, where in views:
-        out.append(f"<div class='row'><div class='head'>{esc(row_header(view, where))}</div>")
-        for sample in view.samples:
-            out.append("<div class='sample'>" + "".join(_span(seg) for seg in sample) + "</div>")
+        out.append(f"<div class='row'><div class='head'>{esc(row_header(view, where)[3:])}</div>")
+        for n, (sample, length) in enumerate(zip(view.samples, view.lengths), 1):
+            label = (f"<div class='pad'>sample {n} of {len(view.samples)}, {length} positions</div>"
+                     if len(view.samples) > 1 else "")
+            out.append(label + "<div class='sample'>" + "".join(_span(seg) for seg in sample)
+                       + "</div>")
         if view.pad:
             out.append(f"<div class='pad'>padding × {view.pad}</div>")
         out.append("</div>")
