@@ -120,11 +120,15 @@ _NATIVE = (
 @contextlib.contextmanager
 def native_stderr_filtered():
     """While the block runs, file descriptor 2 goes through a pipe that drops :data:`_NATIVE`
-    lines and passes every other line on, in order (Python's writes to stderr included)."""
+    lines and passes every other line on, in order (Python's writes to stderr included).
+    What is still in the pipe when the process dies inside the block is lost: keep the block
+    to the Ray Data pipeline that prints the lines."""
     try:
         sys.stderr.flush()
         saved = os.dup(2)
     except (AttributeError, OSError, ValueError):  # no real stderr: nothing to filter
+        saved = None
+    if saved is None:
         yield
         return
     read, write = os.pipe()
@@ -134,19 +138,25 @@ def native_stderr_filtered():
     def pump():
         with os.fdopen(read, "rb") as lines:
             for line in lines:
-                if not any(text in line for text in _NATIVE):
+                if any(text in line for text in _NATIVE):
+                    continue
+                try:
                     os.write(saved, line)
+                except OSError:  # the real stderr is gone: keep draining the pipe
+                    pass
 
     thread = threading.Thread(target=pump, name="stderr-filter", daemon=True)
     thread.start()
     try:
         yield
     finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)  # the pipe's last writer closed: the pump reads to its end
-        thread.join(timeout=5.0)
-        if not thread.is_alive():  # else a child still holds the pipe: the pump keeps saved
-            os.close(saved)
+        try:
+            sys.stderr.flush()
+        finally:
+            os.dup2(saved, 2)  # the pipe's last writer closed: the pump reads to its end
+            thread.join(timeout=5.0)
+            if not thread.is_alive():  # else a child still holds the pipe: the pump keeps saved
+                os.close(saved)
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -159,7 +169,8 @@ class _Plain:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        return self._stream.write(_ANSI.sub("", text))
+        self._stream.write(_ANSI.sub("", text))
+        return len(text)
 
     def writelines(self, lines) -> None:
         for line in lines:

@@ -116,8 +116,8 @@ def test_an_unreachable_ray_address_and_a_ray_that_cannot_start_are_one_line(tmp
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert _error_lines(proc.stderr) == [
         f"error: Ray could not start on this machine: [Errno 20] Not a directory: "
-        f"'{tmp_path / 'a_file' / 'ray'}' (a loaded machine or a full /tmp/ray: try again, or "
-        f"start Ray with `ray start --head` and set RAY_ADDRESS)"], proc.stderr[-2000:]
+        f"'{tmp_path / 'a_file' / 'ray'}' (on a loaded machine or with /tmp/ray full, try "
+        f"again; or start Ray with `ray start --head` and set RAY_ADDRESS)"], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
@@ -152,6 +152,16 @@ def test_every_shipped_config_plans_from_the_config_alone(config, tmp_path):
     assert ("checkpoint.pretrained" in unchecked) == bool(cfg.checkpoint.pretrained)
     with pytest.raises(ConfigError):  # the launch still asks for what it reads
         build_plan(cfg)
+
+
+def test_plan_only_without_the_pretrained_directory_needs_the_model_named(tmp_path):
+    missing = tmp_path / "Qwen2.5-7B"
+    with pytest.raises(ConfigError) as info:
+        load(None, [f"checkpoint.pretrained={missing}"], files=False)
+    assert str(info.value) == (f"--plan-only: {missing}/config.json is not here to say what "
+                               f"model checkpoint.pretrained is: name it (model.preset=...)")
+    assert load(None, [f"checkpoint.pretrained={missing}", "model.preset=7B"],
+                files=False).model.hidden_size == 3584
 
 
 def test_plan_only_of_the_vl_lora_config_needs_none_of_its_directories():

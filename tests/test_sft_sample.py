@@ -257,3 +257,19 @@ def test_many_files_share_the_sample_budget(qwen2_tokenizer_dir, tmp_path):
     assert report.files == 40
     assert [message for _, message in report.stats["bad"]] == [
         f"{path}: line 1: invalid JSON: Expecting value: line 1 column 11 (char 10)" for path in files]
+
+
+def test_a_file_that_cannot_be_read_is_named_before_ray(qwen2_tokenizer_dir, tmp_path):
+    """A corrupt Parquet shard among good files: the checks' one problem names it (it was a
+    pyarrow traceback)."""
+    good = tmp_path / "a.jsonl"
+    good.write_text(_alpaca(1) + "\n")
+    (tmp_path / "b.parquet").write_bytes(b"not parquet at all")
+    cfg = absolute_paths(load(None, [
+        "data.dataset=sft", f"data.data_path=[{tmp_path}]", f"data.tokenizer={qwen2_tokenizer_dir}",
+        "training.eval_iters=0", "training.train_iters=4", "training.lr_warmup_iters=1",
+        f"output.dir={tmp_path / 'out'}", "cluster.device=cpu"]))
+    with pytest.raises(ConfigError) as info:
+        local_checks.check(cfg, build_plan(cfg))
+    assert str(info.value).startswith(f"data.data_path: {tmp_path / 'b.parquet'}: cannot read "
+                                      f"it: "), info.value

@@ -147,9 +147,11 @@ def _build_model(values: dict, pretrained: Any = None, files: bool = True) -> Mo
     the files are not): a preset's model is taken as it is when that config.json is not
     there."""
     values = dict(values)
-    if pretrained and not files and values.get("preset") is not None and not (
-            Path(str(pretrained)).expanduser() / "config.json").is_file():
-        pretrained = None
+    if pretrained and not files and not _present(pretrained, "config.json"):
+        if "preset" not in values:  # the model is the directory's, and it is not here
+            raise ConfigError(f"--plan-only: {pretrained}/config.json is not here to say what "
+                              f"model checkpoint.pretrained is: name it (model.preset=...)")
+        pretrained = None  # a preset, or every field (a saved config.yaml), stands in
     given = values.pop("preset", None if pretrained else "tiny")
     name = None if given is None else preset_name(given)
     if given is not None and name is None:
@@ -173,8 +175,9 @@ def _build_model(values: dict, pretrained: Any = None, files: bool = True) -> Mo
 
 def from_dict(tree: dict, files: bool = True) -> RunConfig:
     """Typed RunConfig from a nested dict (a parsed YAML file); unknown keys are errors.
-    ``files=False``: a preset stands in for a checkpoint.pretrained directory that is not
-    there (``--plan-only``)."""
+    ``files=False`` (``--plan-only``): a preset, or a model section giving every field,
+    stands in for a checkpoint.pretrained directory that is not there, and a lora.adapter
+    that is not there leaves the lora section as given."""
     sections = {f.name: f for f in dataclasses.fields(RunConfig)}
     hints = typing.get_type_hints(RunConfig)
     built = {}
@@ -192,7 +195,7 @@ def from_dict(tree: dict, files: bool = True) -> RunConfig:
     # a vision-language preset brings its vision section, a LLaVA checkpoint or a vision
     # tower directory its own; explicit vision.* keys override it
     vision_base = VISION_PRESETS.get(built["model"].preset, (None, VisionConfig()))[1]
-    if pretrained and not built["model"].preset:
+    if pretrained and not built["model"].preset and (files or _present(pretrained, "config.json")):
         from ray_ppu.hf.llava import directory_vision  # the arrow back up, as for the model
 
         checkpoint = built["checkpoint"]
@@ -200,7 +203,7 @@ def from_dict(tree: dict, files: bool = True) -> RunConfig:
     built["vision"] = _build_section(VisionConfig, (tree or {}).get("vision") or {}, "vision",
                                      base=vision_base)
     lora = built.get("lora")
-    if lora is not None and lora.adapter:
+    if lora is not None and lora.adapter and (files or _present(lora.adapter, "adapter_config.json")):
         built["lora"] = _lora_from_adapter(lora, (tree or {})["lora"], built["model"])
     if (built["vision"].native and built.get("lora", LoraConfig()).enabled
             and "freeze" not in ((tree or {}).get("vision") or {})):
@@ -214,6 +217,11 @@ def from_dict(tree: dict, files: bool = True) -> RunConfig:
 
 # What a PEFT adapter (lora.adapter) decides of the lora section.
 _ADAPTER_DECIDES = ("target_modules", "rank", "alpha", "rank_pattern", "alpha_pattern")
+
+
+def _present(directory: Any, name: str) -> bool:
+    """Whether ``directory`` holds the file ``name`` (planning where the files are not)."""
+    return (Path(str(directory)).expanduser() / name).is_file()
 
 
 def _lora_from_adapter(lora, given: dict, model: ModelConfig):

@@ -229,8 +229,12 @@ def _bad_records(spec: SFTSpec, split: str, out_dir: Optional[Path]) -> list[str
 
     path = spec.split_dir(split) / BAD
     if not path.is_file() or not path.stat().st_size:
+        if out_dir is not None:  # an earlier run's list in the same directory is not this one's
+            (out_dir / f"{split}.jsonl").unlink(missing_ok=True)
         return []
-    bad = [(r["reason"], r["record"]) for r in map(json.loads, path.read_text().splitlines())]
+    # split at "\n" only: a record's text may hold U+2028, which str.splitlines() also splits at
+    bad = [(r["reason"], r["record"]) for r in map(
+        json.loads, filter(None, path.read_text(encoding="utf-8").split("\n")))]
     dropped: dict = {}
     for reason, _ in bad:
         dropped[reason] = dropped.get(reason, 0) + 1

@@ -144,7 +144,11 @@ def _sample_lines(cfg: RunConfig, plan: Plan, files: dict, encoder, problems: li
         return []
     lines = []
     for split, paths in files.items():
-        report = sample_check.sample_split(split, paths, encoder, options, d.check_records)
+        try:
+            report = sample_check.sample_split(split, paths, encoder, options, d.check_records)
+        except UserError as err:  # a file that cannot be read at all
+            problems.append(f"data.{'valid_' if split != 'train' else ''}data_path: {err}")
+            continue
         lines.append(report.line())
         refused = sample_check.problems(report, d.on_bad_record, d.max_dropped_share)
         problems += refused

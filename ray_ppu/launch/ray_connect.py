@@ -12,6 +12,7 @@ start failure into a :class:`~ray_ppu.errors.ClusterError` that names what to do
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import time
@@ -22,8 +23,10 @@ from ray_ppu.errors import ClusterError
 
 def gcs_endpoint(address: str) -> Optional[tuple[str, int]]:
     """``(host, port)`` of a ``host:port`` or ``ray://host:port`` address; None for the forms
-    Ray resolves itself (``auto``, ``local``)."""
+    Ray resolves itself (``auto``, ``local``) and any other scheme (Ray's own error names it)."""
     address = address.strip().removeprefix("ray://")
+    if "://" in address:
+        return None
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit():
         return None
@@ -42,6 +45,9 @@ def check_reachable(address: str, timeout_s: float) -> None:
         try:
             with socket.create_connection(endpoint, timeout=min(5.0, timeout_s)):
                 return
+        except socket.gaierror as err:  # a name that does not resolve will not start to
+            raise ClusterError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: "
+                               f"{endpoint[0]}: {err.strerror or err}") from None
         except OSError as err:
             last = err.strerror or str(err) or type(err).__name__
         if time.monotonic() >= deadline:
@@ -61,10 +67,11 @@ def starting():
     except ClusterError:
         raise
     except Exception as err:  # Ray raises plain Exception, RuntimeError or ConnectionError
+        logging.getLogger("ray_ppu").debug("Ray's start failure", exc_info=err)  # its traceback
         cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ClusterError(f"Ray could not start on this machine: {cause} (a loaded machine "
-                           f"or a full /tmp/ray: try again, or start Ray with `ray start "
-                           f"--head` and set RAY_ADDRESS)") from None
+        raise ClusterError(f"Ray could not start on this machine: {cause} (on a loaded "
+                           f"machine or with /tmp/ray full, try again; or start Ray with `ray "
+                           f"start --head` and set RAY_ADDRESS)") from None
 
 
 # Ray's state API (list_actors, get_actor) finds "the" local cluster by scanning this

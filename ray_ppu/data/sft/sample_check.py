@@ -12,26 +12,34 @@ tokenized, images opened and prepared. The run's policy then applies to the samp
 ``on_bad_record: fail`` refuses the first bad record in file order, ``skip`` refuses a drop
 share over ``data.max_dropped_share``.
 
-Spread records are found by byte offset (JSON Lines: the line holding each offset, its number
-counted from the newlines before it) or by row (Parquet: only the row groups holding them are
-read), so the time does not grow with the file's records; a compressed file cannot be sought
-in, and gives its first records only (said in the report). A JSON-array file is parsed whole
-by the pipeline too.
+Spread records are found by byte offset (JSON Lines: the line holding each offset) or by row
+(Parquet: only the row groups holding them are read), so the time does not grow with the
+file's records; only a bad spread record's line number is counted (the newlines before it),
+so a clean file costs no pass over it. A compressed file cannot be sought in, and gives its
+first records only (said in the report). A JSON-array file is parsed whole by the pipeline
+too.
 """
 
 from __future__ import annotations
 
 import itertools
 import mmap
+import re
 import time
 from dataclasses import dataclass, field
+from typing import Optional
+
+import pyarrow as pa
 
 from ray_ppu.data.readers import input_format, is_compressed
 from ray_ppu.data.sft.files import decode_json, file_records, open_local, record_entry
 from ray_ppu.data.sft.rows import SFTOptions
 from ray_ppu.data.sft.windows import merge_stats, process_window
+from ray_ppu.errors import PreprocessError
 
 _COUNT_CHUNK = 64 << 20  # newlines are counted this many bytes at a time
+HEAD_BYTES = 8 << 20  # a JSON array starts with "[" within this much (as the reader decides)
+_AT = "byte "  # a spread record's place until a problem with it needs its line number
 SHOWN_PER_REASON = 3  # bad records a report names per reason (the file under output.dir: all)
 FULL_FILES = 16  # files read n + n records each; more share that budget
 
@@ -76,26 +84,28 @@ def sample_split(split: str, files: list[str], encoder, options: SFTOptions, n: 
                          "skip", options.window, options.max_samples_per_row, options.vision)
     parts, head_only = [], []
     for path in files:
-        records, sought = _sample_records(path, n)
+        try:
+            records, sought = _sample_records(path, n)
+        except (OSError, ValueError, pa.ArrowException) as err:  # unreadable, corrupt Parquet
+            raise PreprocessError(f"{path}: cannot read it: {err}") from None
         if not sought:
             head_only.append(path)
         entries = [record_entry(path, where, record) for where, record in records]
         if entries:
-            parts.append(process_window(entries, encoder, options)[1])
+            parts.append(_numbered(path, process_window(entries, encoder, options)[1]))
     return SampleReport(split, len(files), merge_stats(parts), time.perf_counter() - started,
                         head_only)
 
 
 def problems(report: SampleReport, on_error: str, max_dropped_share: float) -> list[str]:
-    """The run's policy on a sample (or on a whole split's statistics): ``fail`` refuses its
-    first bad record (prompt_too_long is a length policy, never fatal); ``skip`` refuses a
-    drop share over ``max_dropped_share``, listing the reasons."""
+    """The run's policy on a sample, as the launch applies it to the whole split: ``fail``
+    refuses its first bad record (prompt_too_long is a length policy, never fatal); either
+    way a drop share over ``max_dropped_share`` is refused, listing the reasons."""
     bad = report.stats["bad"]
     if on_error == "fail":
         first = next((message for reason, message in bad if reason != "prompt_too_long"), None)
         if first is not None:
             return [f"data.on_bad_record=fail: {first}"]
-        return []
     if report.stats["records_read"] and report.dropped_share > max_dropped_share:
         return [f"SFT {report.split} sample: {report.stats['dropped_total']} of "
                 f"{report.stats['records_read']} records dropped ({100 * report.dropped_share:.0f} %, "
@@ -125,7 +135,7 @@ def _sample_records(path: str, n: int) -> tuple[list[tuple[str, object]], bool]:
     if kind == "parquet":
         return _parquet_sample(path, n), True
     with open_local(path) as f:
-        head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+        head = f.read(HEAD_BYTES).removeprefix(b"\xef\xbb\xbf").lstrip()
     if head[:1] == b"[":  # a JSON array: parsed whole, by the pipeline too
         with open_local(path) as f:
             records = list(file_records(f, path))
@@ -136,10 +146,11 @@ def _sample_records(path: str, n: int) -> tuple[list[tuple[str, object]], bool]:
     return _jsonl_sample(path, n), True
 
 
-def _spread(items: list, n: int) -> list:
-    """``n`` of ``items`` evenly spaced (all of them when there are no more)."""
+def _spread(items, n: int) -> list:
+    """``n`` of ``items`` (a list or a range) evenly spaced (all of them when there are no
+    more)."""
     if len(items) <= n:
-        return items
+        return list(items)
     return [items[(2 * k + 1) * len(items) // (2 * n)] for k in range(n)]
 
 
@@ -158,29 +169,48 @@ def _jsonl_sample(path: str, n: int) -> list[tuple[str, object]]:
                 pos, line = _take_line(mm, pos, line, out)
             if pos >= size or not n:
                 return out
-            counted, lines_before = pos, line
             taken = set()
             for k in range(n):
                 start = mm.rfind(b"\n", pos, pos + (2 * k + 1) * (size - pos) // (2 * n)) + 1
                 start = max(start, pos)
-                if start in taken:
-                    continue
-                taken.add(start)
-                lines_before += _newlines(mm, counted, start)
-                counted = start
-                _take_line(mm, start, lines_before, out)
+                if start not in taken:
+                    taken.add(start)
+                    _take_line(mm, start, None, out)
             return out
 
 
-def _take_line(mm, pos: int, line: int, out: list) -> tuple[int, int]:
-    """Append the record of the line starting at ``pos`` (the file's line ``line + 1``) when
-    it is not blank; returns the next line's start and number of lines read."""
+def _take_line(mm, pos: int, line: Optional[int], out: list) -> tuple[int, int]:
+    """Append the record of the line starting at ``pos`` (the file's line ``line + 1``; None:
+    not counted, named by its byte offset until :func:`_numbered`) when it is not blank;
+    returns the next line's start and number of lines read."""
     end = mm.find(b"\n", pos)
     end = len(mm) if end < 0 else end
     text = mm[pos:end]
     if text.strip():
-        out.append((f"line {line + 1}", decode_json(text)))
-    return end + 1, line + 1
+        out.append((f"line {line + 1}" if line is not None else f"{_AT}{pos}", decode_json(text)))
+    return end + 1, (line or 0) + 1
+
+
+def _numbered(path: str, stats: dict) -> dict:
+    """``stats`` with its bad spread records named by line number: the newlines before each
+    one counted, in one pass up to the last."""
+    pattern = re.compile(rf"^{re.escape(path)}: {_AT}(\d+): ")
+    offsets = sorted({int(m.group(1)) for _, message in stats["bad"]
+                      if (m := pattern.match(message))})
+    if not offsets:
+        return stats
+    lines, counted, before = {}, 0, 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for offset in offsets:
+            before += _newlines(mm, counted, offset)
+            counted, lines[offset] = offset, before + 1
+
+    def renamed(message: str) -> str:
+        return pattern.sub(lambda m: f"{path}: line {lines[int(m.group(1))]}: ", message)
+
+    stats["bad"] = [[reason, renamed(message)] for reason, message in stats["bad"]]
+    stats["examples"] = {reason: renamed(message) for reason, message in stats["examples"].items()}
+    return stats
 
 
 def _newlines(mm, start: int, end: int) -> int:
@@ -194,7 +224,7 @@ def _parquet_sample(path: str, n: int) -> list[tuple[str, object]]:
 
     pf = pq.ParquetFile(path)
     total = pf.metadata.num_rows
-    wanted = list(range(min(n, total))) + [n + i for i in _spread(list(range(total - n)), n)] \
+    wanted = list(range(min(n, total))) + [n + i for i in _spread(range(total - n), n)] \
         if total > n else list(range(total))
     out, start = [], 0
     starts = []
