@@ -58,17 +58,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def rank_places(dp_rank: int, dp_size: int, global_batch_size: int, micro_batch_size: int,
+                start_iteration: int, num_samples: int) -> list[tuple[int, int, int]]:
+    """(sample id, iteration, microbatch) of the rank's first samples, in the sampler's order."""
+    per_rank = global_batch_size // dp_size
+    iterations = np.arange(start_iteration, start_iteration + -(-num_samples // per_rank))
+    ids = rank_sample_ids(iterations, dp_rank, dp_size, global_batch_size, micro_batch_size)
+    return [(int(sample_id), start_iteration + n // per_rank, (n % per_rank) // micro_batch_size)
+            for n, sample_id in enumerate(ids[:num_samples])]
+
+
 def rank_samples(spec: idxmap.SampleSpec, split: str, dp_rank: int, dp_size: int,
                  global_batch_size: int, micro_batch_size: int, start_iteration: int,
                  num_samples: int):
     """Yield (sample id, iteration, microbatch, token ids) for the rank's first samples."""
-    per_rank = global_batch_size // dp_size
-    iterations = np.arange(start_iteration, start_iteration + -(-num_samples // per_rank))
-    ids = rank_sample_ids(iterations, dp_rank, dp_size, global_batch_size, micro_batch_size)
-    tokens = idxmap.read(spec, ids[:num_samples], split)["tokens"]
-    for n, (sample_id, row) in enumerate(zip(ids[:num_samples], tokens)):
-        iteration = start_iteration + n // per_rank
-        yield int(sample_id), int(iteration), (n % per_rank) // micro_batch_size, row.tolist()
+    places = rank_places(dp_rank, dp_size, global_batch_size, micro_batch_size,
+                         start_iteration, num_samples)
+    tokens = idxmap.read(spec, np.array([p[0] for p in places]), split)["tokens"]
+    for (sample_id, iteration, microbatch), row in zip(places, tokens):
+        yield sample_id, iteration, microbatch, row.tolist()
 
 
 def _tokenizer(directory):
@@ -120,16 +128,13 @@ def _show_sft(args, cfg, plan, dp: int) -> int:
     from ray_ppu.data.sft.view import inspect
     from ray_ppu.tools.data_page import figure_lines, html_page, text_lines
 
-    per_rank = plan.global_batch_size // dp
-    iterations = np.arange(args.start_iteration, args.start_iteration + -(-args.num_samples // per_rank))
-    ids = rank_sample_ids(iterations, args.dp_rank, dp, plan.global_batch_size,
-                          plan.micro_batch_size)[:args.num_samples]
-    found, source, views = inspect(cfg, plan, args.split, ids, args.records)
-    placed = []
-    for n, (view, sample_id) in enumerate(views):
-        placed.append((view, f" (sample {sample_id}, iteration {args.start_iteration + n // per_rank}, "
-                             f"microbatch {(n % per_rank) // plan.micro_batch_size} of DP rank "
-                             f"{args.dp_rank})"))
+    places = rank_places(args.dp_rank, dp, plan.global_batch_size, plan.micro_batch_size,
+                         args.start_iteration, args.num_samples)
+    found, source, views = inspect(cfg, plan, args.split, np.array([p[0] for p in places]),
+                                   args.records)
+    placed = [(view, f" (sample {sample_id}, iteration {iteration}, microbatch {microbatch} of "
+                     f"DP rank {args.dp_rank})")
+              for (view, _), (sample_id, iteration, microbatch) in zip(views, places)]
     print("\n".join(figure_lines(found, source)))
     for view, where in placed:
         print("\n".join(text_lines(view, where, colour=sys.stdout.isatty())))

@@ -22,8 +22,9 @@ from typing import Callable, Iterator, Sequence
 from ray_ppu.errors import PreprocessError
 
 _COMPRESSION_SUFFIXES = (".gz", ".zst", ".bz2", ".lz4")  # pyarrow decompresses by file name
-# JSON Lines are read in chunks of this size: one chunk of the file in memory at a time.
-_CHUNK_BYTES = 8 << 20
+# JSON Lines are read in chunks of this size: one chunk of the file in memory at a time; the
+# first one decides whether the file is a JSON array.
+HEAD_BYTES = 8 << 20
 # ``where`` of a JSON array file that did not parse (or did not parse to an array).
 WHOLE_FILE = "whole file"
 NOT_AN_ARRAY = "expected a JSON array of records"
@@ -103,6 +104,12 @@ class ParquetRandomAccess:
         return super()._open_input_source(filesystem, path, **open_args)
 
 
+def is_json_array(head: bytes) -> bool:
+    """Whether a JSON file whose first :data:`HEAD_BYTES` are ``head`` is a JSON array (its
+    first non-blank byte after a UTF-8 byte-order mark is ``[``), not JSON Lines."""
+    return head.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"["
+
+
 def json_records(f, parse: Callable[[bytes], object]) -> Iterator[tuple[str, object]]:
     """Each record of an opened JSON Lines or JSON-array file as ``(where, parse(its bytes))``.
 
@@ -114,8 +121,8 @@ def json_records(f, parse: Callable[[bytes], object]) -> Iterator[tuple[str, obj
     records: files often end in one). ``parse`` may return a failure value or raise; the
     reader passes either on, so records before a bad line are still yielded first.
     """
-    head = f.read(_CHUNK_BYTES).removeprefix(codecs.BOM_UTF8)
-    if head.lstrip()[:1] == b"[":
+    head = f.read(HEAD_BYTES).removeprefix(codecs.BOM_UTF8)
+    if is_json_array(head):
         records = parse(head + f.read())
         if isinstance(records, list):
             yield from ((f"element {i}", r) for i, r in enumerate(records))
@@ -130,6 +137,6 @@ def json_records(f, parse: Callable[[bytes], object]) -> Iterator[tuple[str, obj
             number += 1
             if line.strip():
                 yield f"line {number}", parse(line)
-        chunk = f.read(_CHUNK_BYTES)
+        chunk = f.read(HEAD_BYTES)
     if pending.strip():
         yield f"line {number + 1}", parse(pending)

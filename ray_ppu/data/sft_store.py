@@ -54,7 +54,7 @@ class SFTSpec:
     valid_samples: int = 0
     vision: Optional[VisionData] = None  # a vision-language model's images (rows hold file bytes)
     inputs: tuple = ()  # (split, file, size, mtime_ns) of each input file: one edited in place is re-read
-    max_dropped_share: float = 1.0  # skip: the share of dropped records that refuses the split
+    max_dropped_share: float = 1.0  # the share of dropped records that refuses the split
 
     def paths(self, split: str) -> tuple[str, ...]:
         return {"train": self.train_paths, "valid": self.valid_paths}[split]
@@ -194,6 +194,9 @@ def prepare(spec: SFTSpec, bad_records_dir: Optional[Path] = None) -> dict[str, 
     list to ``bad_records_dir/<split>.jsonl``. Fails when a split yields no rows or drops more
     than ``spec.max_dropped_share`` of its records.
     """
+    # here, not at the top: readers import this module and need neither pyarrow nor the encoder
+    from ray_ppu.data.sft.sample_check import over_bound
+
     rows = {}
     for split in SPLITS:
         if not spec.samples(split):
@@ -205,26 +208,25 @@ def prepare(spec: SFTSpec, bad_records_dir: Optional[Path] = None) -> dict[str, 
         s = meta["summary"]
         log.info("%s (%s, %.1f s)", summary_line(spec, split, meta), spec.split_dir(split),
                  time.perf_counter() - start)
-        listed = _bad_records(spec, split, bad_records_dir)
+        listed = _bad_records(spec, split, s["dropped"], bad_records_dir)
         if meta["rows"] == 0:
             raise ValueError(f"SFT {split} data {list(spec.paths(split))} gave no usable "
                              f"samples ({s['records_read']} records read, dropped: "
                              f"{ {k: v for k, v in s['dropped'].items() if v} }):\n  "
                              + "\n  ".join(listed))
-        share = s["dropped_total"] / s["records_read"] if s["records_read"] else 0.0
-        if share > spec.max_dropped_share:
-            raise ValueError(f"SFT {split}: {s['dropped_total']} of {s['records_read']} records "
-                             f"dropped ({100 * share:.0f} %, over data.max_dropped_share="
-                             f"{spec.max_dropped_share:g}):\n  " + "\n  ".join(listed))
+        refused = over_bound(f"SFT {split}", s, spec.max_dropped_share, listed)
+        if refused:
+            raise ValueError(refused)
         for line in listed:
             log.warning("SFT %s: %s", split, line)
         rows[split] = meta["rows"]
     return rows
 
 
-def _bad_records(spec: SFTSpec, split: str, out_dir: Optional[Path]) -> list[str]:
-    """The split's bad records per reason (count and first few), and where the whole list is
-    (copied to ``out_dir/<split>.jsonl``); [] when every record was used."""
+def _bad_records(spec: SFTSpec, split: str, dropped: dict, out_dir: Optional[Path]) -> list[str]:
+    """The split's bad records per reason (``dropped``: its counts; the first few read from
+    the list), and where the whole list is (copied to ``out_dir/<split>.jsonl``); [] when
+    every record was used."""
     from ray_ppu.data.sft.sample_check import bad_lines
 
     path = spec.split_dir(split) / BAD
@@ -235,9 +237,6 @@ def _bad_records(spec: SFTSpec, split: str, out_dir: Optional[Path]) -> list[str
     # split at "\n" only: a record's text may hold U+2028, which str.splitlines() also splits at
     bad = [(r["reason"], r["record"]) for r in map(
         json.loads, filter(None, path.read_text(encoding="utf-8").split("\n")))]
-    dropped: dict = {}
-    for reason, _ in bad:
-        dropped[reason] = dropped.get(reason, 0) + 1
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, out_dir / f"{split}.jsonl")

@@ -113,7 +113,7 @@ def _sft_lines(cfg: RunConfig, plan: Plan, problems: list[str], warnings: list[s
                 found[split] = resolve_sft_inputs(paths)
                 counts.append(f"{len(found[split])} {split} file(s)")
             except UserError as err:
-                problems.append(f"data.{'valid_' if split != 'train' else ''}data_path: {err}")
+                problems.append(f"{_paths_key(split)}: {err}")
     try:
         encoder = as_encoder(str(Path(d.tokenizer).expanduser().resolve()))
     except (UserError, OSError, ValueError) as err:
@@ -147,7 +147,7 @@ def _sample_lines(cfg: RunConfig, plan: Plan, files: dict, encoder, problems: li
         try:
             report = sample_check.sample_split(split, paths, encoder, options, d.check_records)
         except UserError as err:  # a file that cannot be read at all
-            problems.append(f"data.{'valid_' if split != 'train' else ''}data_path: {err}")
+            problems.append(f"{_paths_key(split)}: {err}")
             continue
         lines.append(report.line())
         refused = sample_check.problems(report, d.on_bad_record, d.max_dropped_share)
@@ -155,6 +155,11 @@ def _sample_lines(cfg: RunConfig, plan: Plan, files: dict, encoder, problems: li
         if not refused and report.stats["dropped_total"]:
             warnings += [f"SFT {split} sample: {line}" for line in sample_check.bad_lines(report.stats)]
     return lines
+
+
+def _paths_key(split: str) -> str:
+    """The config key naming a split's SFT files."""
+    return "data.data_path" if split == "train" else "data.valid_data_path"
 
 
 def starting_point(cfg: RunConfig, plan: Plan):

@@ -22,6 +22,8 @@ too.
 
 from __future__ import annotations
 
+import codecs
+import dataclasses
 import itertools
 import mmap
 import re
@@ -31,14 +33,13 @@ from typing import Optional
 
 import pyarrow as pa
 
-from ray_ppu.data.readers import input_format, is_compressed
+from ray_ppu.data.readers import HEAD_BYTES, input_format, is_compressed, is_json_array
 from ray_ppu.data.sft.files import decode_json, file_records, open_local, record_entry
 from ray_ppu.data.sft.rows import SFTOptions
 from ray_ppu.data.sft.windows import merge_stats, process_window
 from ray_ppu.errors import PreprocessError
 
 _COUNT_CHUNK = 64 << 20  # newlines are counted this many bytes at a time
-HEAD_BYTES = 8 << 20  # a JSON array starts with "[" within this much (as the reader decides)
 _AT = "byte "  # a spread record's place until a problem with it needs its line number
 SHOWN_PER_REASON = 3  # bad records a report names per reason (the file under output.dir: all)
 FULL_FILES = 16  # files read n + n records each; more share that budget
@@ -55,11 +56,6 @@ class SampleReport:
     stats: dict
     seconds: float
     head_only: list[str] = field(default_factory=list)
-
-    @property
-    def dropped_share(self) -> float:
-        read = self.stats["records_read"]
-        return self.stats["dropped_total"] / read if read else 0.0
 
     def line(self) -> str:
         s = self.stats
@@ -80,8 +76,7 @@ def sample_split(split: str, files: list[str], encoder, options: SFTOptions, n: 
     started = time.perf_counter()
     if len(files) > FULL_FILES:
         n = max(1, FULL_FILES * n // len(files))
-    options = SFTOptions(options.seq_length, options.max_padding_length, options.packing,
-                         "skip", options.window, options.max_samples_per_row, options.vision)
+    options = dataclasses.replace(options, on_error="skip")
     parts, head_only = [], []
     for path in files:
         try:
@@ -106,12 +101,20 @@ def problems(report: SampleReport, on_error: str, max_dropped_share: float) -> l
         first = next((message for reason, message in bad if reason != "prompt_too_long"), None)
         if first is not None:
             return [f"data.on_bad_record=fail: {first}"]
-    if report.stats["records_read"] and report.dropped_share > max_dropped_share:
-        return [f"SFT {report.split} sample: {report.stats['dropped_total']} of "
-                f"{report.stats['records_read']} records dropped ({100 * report.dropped_share:.0f} %, "
-                f"over data.max_dropped_share={max_dropped_share:g}):\n  "
-                + "\n  ".join(bad_lines(report.stats))]
-    return []
+    found = over_bound(f"SFT {report.split} sample", report.stats, max_dropped_share,
+                       bad_lines(report.stats))
+    return [found] if found else []
+
+
+def over_bound(label: str, stats: dict, bound: float, listed: list[str]) -> Optional[str]:
+    """The refusal of records ``stats`` whose dropped share is over ``bound``
+    (``data.max_dropped_share``), with the ``listed`` reasons under it; None within it. The
+    sample and the launch's whole split are refused in the same words."""
+    read, dropped = stats["records_read"], stats["dropped_total"]
+    if not read or dropped / read <= bound:
+        return None
+    return (f"{label}: {dropped} of {read} records dropped ({100 * dropped / read:.0f} %, over "
+            f"data.max_dropped_share={bound:g}):\n  " + "\n  ".join(listed))
 
 
 def bad_lines(stats: dict, shown: int = SHOWN_PER_REASON) -> list[str]:
@@ -135,8 +138,8 @@ def _sample_records(path: str, n: int) -> tuple[list[tuple[str, object]], bool]:
     if kind == "parquet":
         return _parquet_sample(path, n), True
     with open_local(path) as f:
-        head = f.read(HEAD_BYTES).removeprefix(b"\xef\xbb\xbf").lstrip()
-    if head[:1] == b"[":  # a JSON array: parsed whole, by the pipeline too
+        array = is_json_array(f.read(HEAD_BYTES))
+    if array:  # parsed whole, by the pipeline too
         with open_local(path) as f:
             records = list(file_records(f, path))
         return records[:n] + _spread(records[n:], n), True
@@ -163,7 +166,7 @@ def _jsonl_sample(path: str, n: int) -> list[tuple[str, object]]:
             return []
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             size, out = len(mm), []
-            pos = 3 if mm[:3] == b"\xef\xbb\xbf" else 0
+            pos = len(codecs.BOM_UTF8) if mm[:3] == codecs.BOM_UTF8 else 0
             line = 0
             while pos < size and len(out) < n:
                 pos, line = _take_line(mm, pos, line, out)
@@ -209,7 +212,6 @@ def _numbered(path: str, stats: dict) -> dict:
         return pattern.sub(lambda m: f"{path}: line {lines[int(m.group(1))]}: ", message)
 
     stats["bad"] = [[reason, renamed(message)] for reason, message in stats["bad"]]
-    stats["examples"] = {reason: renamed(message) for reason, message in stats["examples"].items()}
     return stats
 
 

@@ -119,8 +119,7 @@ def _row_images(columns: dict, row: int) -> list[dict]:
     from PIL import Image
 
     count = int(columns["num_images"][row])
-    blob = columns["image_bytes"][np.array([row])][0] if hasattr(
-        columns["image_bytes"], "offsets") else columns["image_bytes"][row]
+    blob = columns["image_bytes"][np.array([row])][0]  # a stored column or an object array
     ends = np.cumsum(np.asarray(columns["image_lengths"][row][:count]))
     found = []
     for k, (a, b) in enumerate(zip([0, *ends[:-1]], ends)):
@@ -160,6 +159,7 @@ def inspect(cfg, plan, split: str, sample_ids: np.ndarray, records: int):
     from ray_ppu.data.tokenizer import load_tokenizer
 
     spec = sft_store.spec_for(cfg, plan)
+    encoder = as_encoder(spec.tokenizer_dir)
     meta_path = spec.split_dir(split) / sft_store.META
     if meta_path.is_file():
         import json
@@ -168,7 +168,6 @@ def inspect(cfg, plan, split: str, sample_ids: np.ndarray, records: int):
         columns = sft_store.dataset(spec, split)
         source = f"the run's prepared rows, {spec.split_dir(split)}"
     else:
-        encoder = as_encoder(spec.tokenizer_dir)
         columns, stats = sft_rows_from_files(
             list(spec.paths(split)), encoder, spec.seq_length, spec.max_padding_length,
             spec.packing, vision=spec.vision, max_records=records)
@@ -176,7 +175,7 @@ def inspect(cfg, plan, split: str, sample_ids: np.ndarray, records: int):
                   else "every record, read here")
     rows = len(columns["tokens"])
     decode = load_tokenizer(spec.tokenizer_dir).decode  # special tokens kept: the template's
-    pad_id = as_encoder(spec.tokenizer_dir).pad_id
+    pad_id = encoder.pad_id
     views = [(row_view(columns, int(i) % rows, decode, pad_id, spec.vision), int(i))
              for i in sample_ids] if rows else []
     return figures(stats, columns, spec.vision), source, views

@@ -43,12 +43,11 @@ def new_stats() -> dict:
     """The statistics of no records."""
     return {"records_read": 0, "samples_used": 0, "dropped": dict.fromkeys(DROP_REASONS, 0),
             "truncated": 0, "rows": 0, "sample_tokens": 0, "row_tokens": 0, "loss_tokens": 0,
-            "examples": {}, "bad": []}
+            "bad": []}
 
 
 def _count_problem(stats: dict, reason: str, message: str) -> None:
     stats["dropped"][reason] += 1
-    stats["examples"].setdefault(reason, message)
     stats["bad"].append([reason, message])
 
 
@@ -61,9 +60,10 @@ def merge_stats(parts: Iterable[dict]) -> dict:
             total[key] += part[key]
         for reason, n in part["dropped"].items():
             total["dropped"][reason] += n
-        for reason, message in part["examples"].items():
-            total["examples"].setdefault(reason, message)
-        total["bad"] += part.get("bad", [])
+        total["bad"] += part["bad"]
+    total["examples"] = {}  # the first bad record of each reason
+    for reason, message in total["bad"]:
+        total["examples"].setdefault(reason, message)
     total["dropped_total"] = sum(total["dropped"].values())
     total["packing_efficiency"] = total["sample_tokens"] / total["row_tokens"] if total["row_tokens"] else 0.0
     return total
