@@ -53,13 +53,10 @@ def token_text(tokenizer_dir: Path, token_id: int) -> Optional[str]:
 
 
 def chat_template(tokenizer_dir: Path) -> Optional[str]:
-    """The tokenizer's own chat template (tokenizer_config.json, else chat_template.jinja)."""
-    config = tokenizer_dir / "tokenizer_config.json"
-    template = (json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-                if config.is_file() else None)
-    if template is None and (tokenizer_dir / "chat_template.jinja").is_file():
-        template = (tokenizer_dir / "chat_template.jinja").read_text(encoding="utf-8")
-    return template if isinstance(template, str) and template.strip() else None
+    """The tokenizer's own chat template, as SFT reads it (the data side's reader)."""
+    from ray_ppu.data.sft.chat_encoder import chat_template_of
+
+    return chat_template_of(Path(tokenizer_dir))
 
 
 def processor_files(vision: VisionConfig, tokenizer_dir: Path) -> dict[str, str]:

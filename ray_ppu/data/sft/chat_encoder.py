@@ -37,14 +37,25 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_chat_template(directory: Path, config: dict) -> str:
+def chat_template_of(directory: Path, config: Optional[dict] = None) -> Optional[str]:
+    """A tokenizer directory's chat template: tokenizer_config.json's (``config``, read here
+    when not given; named templates: the default one), else chat_template.jinja; None when it
+    has none."""
+    if config is None:
+        path = directory / "tokenizer_config.json"
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name", "template"}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     if template is None and (directory / "chat_template.jinja").is_file():  # newer HF layout
         template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
-    if not isinstance(template, str) or not template.strip():
+    return template if isinstance(template, str) and template.strip() else None
+
+
+def _read_chat_template(directory: Path, config: dict) -> str:
+    template = chat_template_of(directory, config)
+    if template is None:
         raise ValueError(f"{directory}: tokenizer_config.json has no chat_template (nor is there a "
                          f"chat_template.jinja): SFT needs the model's conversation format")
     return template
