@@ -230,7 +230,8 @@ def read_prompts(path: str) -> list[Prompt]:
     Every bad line is named, in one error."""
     file = Path(path).expanduser()
     try:
-        lines = file.read_text(encoding="utf-8").splitlines()
+        # at "\n" only: str.splitlines() would also cut a prompt holding U+2028 in two
+        lines = file.read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"--prompts {path}: {err}") from None
     prompts, problems = [], []
