@@ -120,9 +120,9 @@ def export_peft(checkpoint: str | Path, out: str | Path) -> dict:
     trained = _Trained(source)
     saved = SAVED_MODULES.get(vision.native) if vision.enabled else None
     projector = [k for k in trained.image_parts if saved and k.startswith(saved[0])]
-    if trained.parts or len(projector) < len(trained.image_parts):
-        what = lora.trainable + (["the vision tower"] if len(projector) < len(
-            trained.image_parts) else [])
+    tower = len(trained.image_parts) > len(projector)  # trained image parts beyond it
+    if trained.parts or tower:
+        what = lora.trainable + (["the vision tower"] if tower else [])
         raise ConfigError(f"{source.path} also trained {', '.join(what)} (full weights, which "
                           f"a PEFT adapter does not carry): export it with --merge")
     language = ((lambda name: VL_LAYERS + name.removeprefix("model.layers")) if vision.enabled
