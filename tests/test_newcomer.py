@@ -174,6 +174,29 @@ def test_plan_only_of_the_vl_lora_config_needs_none_of_its_directories():
     assert "checkpoint.pretrained (its config.json against the preset" in proc.stderr
 
 
+_DRY_RUN_IMPORTS = """
+import json, runpy, sys
+sys.argv = [{script!r}, *sys.argv[1:]]
+try:
+    runpy.run_path({script!r}, run_name="__main__")
+except SystemExit as done:
+    code = done.code
+print(json.dumps({{"code": code, "heavy": sorted({{m.split(".")[0] for m in sys.modules}}
+                                                 & {{"torch", "megatron", "transformers"}})}}))
+"""
+
+
+def test_a_dry_run_imports_no_torch(corpus):
+    """What a dry run checks (config, plan, memory plan, the corpus and its tokens) needs no
+    torch: it answers in a fraction of a second, not after torch's import (1.1 s here)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRY_RUN_IMPORTS.format(script=str(PRETRAIN)), "--dry-run",
+         f"data.data_path=[{corpus}]", "data.split=80,20,0", "training.eval_iters=1",
+         "cluster.device=auto"], capture_output=True, text=True, timeout=180)
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"code": 0, "heavy": []}, \
+        proc.stderr[-2000:]
+
+
 def test_a_72b_plan_on_16_devices_is_refused_with_a_layout_that_fits():
     proc = _run("pretrain.py", "--config", str(CONFIG_7B), "--dry-run", "--plan-only",
                 "model.preset=72B")

@@ -48,8 +48,13 @@ The modules, one concern each
 * ``base``: a LoRA run's base model, and the fingerprint that ties its checkpoints to it.
 
 Megatron-Core is imported only inside the functions that save and load: the driver
-(``launcher``, ``ray_worker``) imports this package and must not import Megatron-Core.
+(``launcher``, ``ray_worker``) imports this package and must not import Megatron-Core. Nor
+does importing the package import torch: ``load``, ``load_trained`` and the saver's names are
+imported on first use (PEP 562), so ``--dry-run``, ``--plan-only`` and the data tools, which
+ask only where a run starts, do not pay torch's second of imports.
 """
+
+import importlib
 
 from ray_ppu.checkpoint import base, parts
 from ray_ppu.checkpoint.layout import (
@@ -67,7 +72,6 @@ from ray_ppu.checkpoint.layout import (
     run_name,
     save_root,
 )
-from ray_ppu.checkpoint.loading import load, load_trained
 from ray_ppu.checkpoint.resume import (
     STREAM_START_FILE,
     ResumePoint,
@@ -76,7 +80,6 @@ from ray_ppu.checkpoint.resume import (
     record_stream_start,
     resume_point,
 )
-from ray_ppu.checkpoint.saver import OPTIMIZER_FORMAT, CheckpointSaveError, Saver
 from ray_ppu.errors import CheckpointError  # also imported from here
 
 __all__ = [
@@ -86,3 +89,13 @@ __all__ = [
     "load_trained", "origin", "prune", "read_meta", "record_stream_start", "remove_incomplete", "resume_point",
     "run_name", "save_root", "base", "parts",
 ]
+
+# name → its module: these import torch (and, when called, Megatron-Core)
+_ON_FIRST_USE = {"load": "loading", "load_trained": "loading", "Saver": "saver",
+                 "CheckpointSaveError": "saver", "OPTIMIZER_FORMAT": "saver"}
+
+
+def __getattr__(name: str):
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_ON_FIRST_USE[name]}"), name)

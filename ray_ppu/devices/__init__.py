@@ -3,20 +3,28 @@
 ``ppu``: the PPU's CUDA-compatible stack (torch.cuda + NCCL); runs unchanged on NVIDIA GPUs.
 ``cpu``: gloo on the CPU, for laptops and CI; Megatron-Core's CUDA requests are answered by
 :mod:`ray_ppu.devices.cpu_shim`.
+
+torch is imported where a function needs it: the plan's device table
+(:mod:`ray_ppu.devices.specs`) is read by ``--dry-run``, which needs no torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Iterator, Literal, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Backend = Literal["ppu", "cpu"]
 
 
 def resolve(requested: str) -> Backend:
     """``auto`` → ``ppu`` when this process can use a CUDA(-compatible) device, else ``cpu``."""
+    if requested == "cpu":
+        return "cpu"
+    import torch
+
     if requested == "auto":
         return "ppu" if torch.cuda.is_available() else "cpu"
     if requested == "ppu" and not torch.cuda.is_available():
@@ -45,6 +53,8 @@ def dist_backend(backend: Backend) -> str:
 
 
 def torch_device(backend: Backend) -> torch.device:
+    import torch
+
     return torch.device("cuda", torch.cuda.current_device()) if backend == "ppu" else torch.device("cpu")
 
 
@@ -56,6 +66,8 @@ def bound(backend: Backend, device_id: int) -> Iterator[None]:
     CUDA_VISIBLE_DEVICES here: CUDA may already be initialised). cpu: the CUDA→CPU shim.
     """
     if backend == "ppu":
+        import torch
+
         torch.cuda.set_device(device_id)
         yield
     else:
@@ -68,6 +80,8 @@ def bound(backend: Backend, device_id: int) -> Iterator[None]:
 def kernel_failure_is_fatal(error: RuntimeError) -> bool:
     """Whether a kernel's error is one no other kernel would avoid (out of memory, a broken
     CUDA context): raised as it is, not answered by falling back to a slower kernel."""
+    import torch
+
     text = str(error)
     return (isinstance(error, torch.OutOfMemoryError) or "CUDA error" in text
             or "illegal memory access" in text or "device-side assert" in text)
