@@ -1,4 +1,5 @@
-"""Shared fixtures: one real local Ray for the whole session, and a real idxmap corpus."""
+"""Shared fixtures: one real local Ray for the whole session, a real idxmap corpus, and one
+torchrun launch of 2 CPU ranks that runs every module's rank-side job (``launch_torchrun``)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,97 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def launch_torchrun(script: str, jobs: dict, out: Path, timeout: float = 600) -> Path:
-    """Run ``script``'s ``__main__`` under torchrun on 2 CPU ranks with ``jobs`` (written to
-    ``out/jobs.json``, its one argument); ``out`` back once every rank exited cleanly."""
-    import json
-    import subprocess
+class _RankJobs:
+    """The test process's end of tests/rank_jobs.py: one torchrun launch of 2 CPU ranks that
+    runs every module's rank-side job in turn, started on first use, and again for the next
+    job after one failed (a failed job ends its launch)."""
 
-    from ray_ppu.util.net import free_port
+    def __init__(self):
+        self.proc = None
+        self.inbox = None
+        self.k = 0
+        self.launches = 0
+
+    def _start(self) -> None:
+        import subprocess
+        import tempfile
+
+        from ray_ppu.util.net import free_port
+
+        self.inbox = Path(tempfile.mkdtemp(prefix="rank_jobs_"))
+        self.log = open(self.inbox / "torchrun.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(free_port("127.0.0.1")), str(REPO / "tests" / "rank_jobs.py"),
+             str(self.inbox)],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            start_new_session=True)  # its ranks are killed with it (close)
+        self.k, self.launches = 0, self.launches + 1
+
+    def run(self, script: str, jobs_file: Path, timeout: float) -> None:
+        """Run ``script``'s ``__main__`` with ``jobs_file`` on both ranks; fails the test with
+        the ranks' tracebacks (or the launch's output) if a rank raised or the launch died."""
+        import json
+        import time
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        k = self.k
+        (self.inbox / f"{k}.json").write_text(json.dumps({"script": script,
+                                                          "jobs": str(jobs_file)}))
+        answers = [self.inbox / f"{k}.rank{rank}.json" for rank in (0, 1)]
+        deadline = time.monotonic() + timeout
+        while not all(a.exists() for a in answers):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        errors = [json.loads(a.read_text()).get("error") for a in answers if a.exists()]
+        if len(errors) == 2 and not any(errors):
+            self.k += 1
+            return
+        why = "timed out" if self.proc.poll() is None else "the launch ended"
+        self.close()  # a failed job ends its launch: the next one starts afresh
+        output = (self.inbox / "torchrun.log").read_text()[-4000:]
+        raise AssertionError("\n".join(e for e in errors if e)
+                             or f"the ranks did not answer job {k} of {script} ({why}):\n{output}")
+
+    def close(self) -> None:
+        import signal
+        import subprocess
+
+        if self.proc is None:
+            return
+        (self.inbox / "stop").touch()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a rank still in a job (timed out): all of them
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        self.proc = None
+
+
+_RANKS = _RankJobs()
+
+
+def launch_torchrun(script: str, jobs: dict, out: Path, timeout: float = 600) -> Path:
+    """Run ``script``'s ``__main__`` on 2 CPU ranks with ``jobs`` (written to
+    ``out/jobs.json``, its one argument), in the session's one torchrun launch
+    (tests/rank_jobs.py); ``out`` back once both ranks returned."""
+    import json
 
     (out / "jobs.json").write_text(json.dumps(jobs))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port("127.0.0.1")), script, str(out / "jobs.json")],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _RANKS.run(str(script), out / "jobs.json", timeout)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_jobs_end():
+    """The session's torchrun launch (if one started) stops with the session."""
+    yield
+    _RANKS.close()
+
+
 sys.path.insert(0, str(REPO))
 
 SIMULATED_PPUS = 4
