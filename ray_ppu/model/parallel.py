@@ -1,12 +1,4 @@
-"""Megatron-Core parallel state on top of an already-initialised torch.distributed group.
-
-Megatron-Core's ``destroy_model_parallel`` forgets its groups but destroys only three of them
-(its gloo data-parallel groups): the rest stay registered with torch.distributed, and on CPU
-every one is a gloo group with its own threads. A process that sets the state up more than
-once (the option matrix, the benchmarks' variants, a tool or test building several layouts)
-kept 17 groups and 51 threads per round on one rank, each round adding ~1.5 % of a core of
-idle polling. :func:`destroy` ends every group :func:`initialize` added.
-"""
+"""Megatron-Core parallel state on top of an already-initialised torch.distributed group."""
 
 from __future__ import annotations
 
@@ -22,13 +14,6 @@ from megatron.core import parallel_state, tensor_parallel
 from ray_ppu.plan import Plan
 from ray_ppu.util.dist import single_process_group
 
-_added: list = []  # the process groups the last initialize() added (destroy() ends them)
-
-
-def _groups() -> list:
-    # torch keeps no public list of its groups; Megatron-Core reads this one too
-    return list(dist.distributed_c10d._world.pg_map)
-
 
 def initialize(plan: Plan, seed: int) -> None:
     """Build TP/PP/CP/DP (and EP / ETP) groups and seed every RNG the Megatron way.
@@ -42,7 +27,6 @@ def initialize(plan: Plan, seed: int) -> None:
         raise RuntimeError("torch.distributed is not initialised: run under Ray Train or torchrun")
     if dist.get_world_size() != plan.world_size:
         raise RuntimeError(f"world size {dist.get_world_size()} != planned {plan.world_size}")
-    before = set(_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=plan.tensor_model_parallel_size,
         pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
@@ -51,7 +35,6 @@ def initialize(plan: Plan, seed: int) -> None:
         expert_model_parallel_size=plan.expert_model_parallel_size,
         expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
     )
-    _added[:] = [group for group in _groups() if group not in before]
     coords = plan.dims.coordinates(dist.get_rank())
     actual = {
         "tp": parallel_state.get_tensor_model_parallel_rank(),
@@ -70,14 +53,8 @@ def initialize(plan: Plan, seed: int) -> None:
 
 
 def destroy() -> None:
-    """Megatron's parallel state torn down, and the process groups it added destroyed."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    registered = set(_groups())
-    for group in _added:
-        if group in registered:  # Megatron destroyed some itself
-            dist.destroy_process_group(group)
-    _added.clear()
 
 
 @contextlib.contextmanager
