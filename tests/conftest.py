@@ -18,10 +18,11 @@ class _RankJobs:
     job after one failed (a failed job ends its launch)."""
 
     def __init__(self):
+        self.root = None  # one directory per session, an inbox per launch in it
         self.proc = None
         self.inbox = None
+        self.log = None
         self.k = 0
-        self.launches = 0
 
     def _start(self) -> None:
         import subprocess
@@ -29,7 +30,8 @@ class _RankJobs:
 
         from ray_ppu.util.net import free_port
 
-        self.inbox = Path(tempfile.mkdtemp(prefix="rank_jobs_"))
+        self.root = self.root or Path(tempfile.mkdtemp(prefix="rank_jobs_"))
+        self.inbox = Path(tempfile.mkdtemp(dir=self.root))
         self.log = open(self.inbox / "torchrun.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -37,7 +39,7 @@ class _RankJobs:
              str(self.inbox)],
             stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
             start_new_session=True)  # its ranks are killed with it (close)
-        self.k, self.launches = 0, self.launches + 1
+        self.k = 0
 
     def run(self, script: str, jobs_file: Path, timeout: float) -> None:
         """Run ``script``'s ``__main__`` with ``jobs_file`` on both ranks; fails the test with
@@ -98,9 +100,13 @@ def launch_torchrun(script: str, jobs: dict, out: Path, timeout: float = 600) ->
 
 @pytest.fixture(scope="session", autouse=True)
 def _rank_jobs_end():
-    """The session's torchrun launch (if one started) stops with the session."""
+    """The session's torchrun launch (if one started) stops with the session; its files go."""
+    import shutil
+
     yield
     _RANKS.close()
+    if _RANKS.root is not None:
+        shutil.rmtree(_RANKS.root, ignore_errors=True)
 
 
 sys.path.insert(0, str(REPO))

@@ -7,7 +7,8 @@ modules paid it each. Here the ranks join the default process group once and run
 its module ran under its own launch: the module's ``__main__`` with ``sys.argv = [module,
 jobs.json]`` (``runpy``), so the module's code is unchanged. Its imports stay loaded for the
 next job; Megatron's parallel state is set up and torn down inside each job, as before, and
-any process group a job leaves is destroyed after it.
+any process group a job leaves is destroyed after it (Megatron-Core's teardown forgets most of
+its groups, and each gloo group keeps threads that poll).
 
 Protocol (files in INBOX, the one argument): job k is ``<k>.json`` (``{"script", "jobs"}``),
 written by the test process; rank r answers ``<k>.rank<r>.json`` (``{"ok"}`` or ``{"error"}``
@@ -40,14 +41,15 @@ def _next_job(inbox: Path, k: int):
 
 
 def _answer(inbox: Path, k: int, rank: int, answer: dict) -> None:
-    part = inbox / f"{k}.rank{rank}.part"
-    part.write_text(json.dumps(answer))
-    os.replace(part, inbox / f"{k}.rank{rank}.json")  # whole or absent
+    from ray_ppu.util.fs import atomic_write_text
+
+    # whole or absent: the test process reads it as soon as it exists
+    atomic_write_text(inbox / f"{k}.rank{rank}.json", json.dumps(answer), fsync=False)
 
 
 def _end_groups_but_the_default() -> None:
-    """Every process group a job left registered (each gloo group keeps threads that poll):
-    the next job starts as a fresh launch would, with the default group alone."""
+    """Every process group a job left registered: the next job starts as a fresh launch
+    would, with the default group alone."""
     import torch.distributed as dist
 
     world = dist.distributed_c10d.GroupMember.WORLD
