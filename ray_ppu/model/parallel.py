@@ -1,9 +1,24 @@
-"""Megatron-Core parallel state on top of an already-initialised torch.distributed group."""
+"""Megatron-Core parallel state on top of an already-initialised torch.distributed group.
+
+Tearing it down also lets the model go: Megatron-Core's rotary embeddings cache their
+``forward`` with ``functools.lru_cache`` on the class, whose keys hold the module, the module
+holds DDP (its forward hooks) and DDP holds the process groups. Left alone, every model that
+ran a forward lives as long as its process, with its gloo groups' threads (49 per model on
+one CPU rank, each polling): a process that builds more than once (the option matrix, the
+benchmarks' variants, the tests) slowed down with every build. :func:`destroy` empties those
+caches.
+
+It also destroys the process groups Megatron-Core's initialize added: its
+``destroy_model_parallel`` forgets them but destroys only its gloo data-parallel ones, and
+torch.distributed keeps the rest registered (17 groups, 51 threads per round on one CPU rank)
+in a process whose default group outlives the round.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from typing import Iterator
 
 import numpy as np
@@ -13,6 +28,18 @@ from megatron.core import parallel_state, tensor_parallel
 
 from ray_ppu.plan import Plan
 from ray_ppu.util.dist import single_process_group
+
+_added: list = []  # the process groups the last initialize() added (destroy() ends them)
+
+_ROTARY_CACHES = [  # Megatron-Core's classes whose forward is an lru_cache keyed on the module
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding"),
+]
+
+
+def _groups() -> list:
+    # torch keeps no public list of its groups; Megatron-Core reads this one too
+    return list(dist.distributed_c10d._world.pg_map)
 
 
 def initialize(plan: Plan, seed: int) -> None:
@@ -27,6 +54,7 @@ def initialize(plan: Plan, seed: int) -> None:
         raise RuntimeError("torch.distributed is not initialised: run under Ray Train or torchrun")
     if dist.get_world_size() != plan.world_size:
         raise RuntimeError(f"world size {dist.get_world_size()} != planned {plan.world_size}")
+    before = set(_groups())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=plan.tensor_model_parallel_size,
         pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
@@ -35,6 +63,7 @@ def initialize(plan: Plan, seed: int) -> None:
         expert_model_parallel_size=plan.expert_model_parallel_size,
         expert_tensor_parallel_size=plan.expert_tensor_parallel_size,
     )
+    _added[:] = [group for group in _groups() if group not in before]
     coords = plan.dims.coordinates(dist.get_rank())
     actual = {
         "tp": parallel_state.get_tensor_model_parallel_rank(),
@@ -53,8 +82,18 @@ def initialize(plan: Plan, seed: int) -> None:
 
 
 def destroy() -> None:
+    """Megatron's parallel state torn down, the groups it added destroyed and its rotary
+    caches emptied (the module docstring): a model is freed once its caller drops it."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    registered = set(_groups())
+    for group in _added:
+        if group in registered:  # Megatron destroyed some itself
+            dist.destroy_process_group(group)
+    _added.clear()
+    for module, name in _ROTARY_CACHES:
+        if module in sys.modules:  # a model of this process built one
+            getattr(sys.modules[module], name).forward.cache_clear()
 
 
 @contextlib.contextmanager
