@@ -98,6 +98,19 @@ def launch_torchrun(script: str, jobs: dict, out: Path, timeout: float = 600) ->
     return out
 
 
+def _uses_the_launch(item) -> bool:
+    return hasattr(getattr(item, "module", None), "launch_torchrun")
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The torchrun launch ends when the next test does not use it (a module's jobs run
+    together; the next module that needs it starts a new one): idle, its ranks would keep
+    what the jobs built, and its gloo groups' threads poll (measured: ~8 % of a core per rank,
+    for the rest of the suite)."""
+    if _RANKS.proc is not None and not _uses_the_launch(nextitem):
+        _RANKS.close()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _rank_jobs_end():
     """The session's torchrun launch (if one started) stops with the session; its files go."""

@@ -19,6 +19,7 @@ waiting in a collective, and the test process starts a new launch for the next j
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import runpy
@@ -76,6 +77,9 @@ def serve(inbox: Path) -> None:
         finally:
             sys.argv = argv
         _end_groups_but_the_default()
+        # what the job built is garbage now, in cycles (its module's functions and globals,
+        # Megatron DDP's hooks): collected here, its gloo groups' polling threads end with it
+        gc.collect()
         _answer(inbox, k, rank, {"ok": True})
         k += 1
     dist.destroy_process_group()

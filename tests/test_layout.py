@@ -18,7 +18,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ray_ppu"
 # first, the driver next, then training, the one-process tools, recovery, the model side,
 # monitoring, and the plan, data and config everything stands on.
 LAYERS = ["tools", "launch", "train", "offline", "recovery", "checkpoint", "model", "hf",
-          "monitor", "plan", "devices", "data", "config", "errors", "util", "quiet"]
+          "monitor", "plan", "devices", "data", "config", "errors", "util", "quiet",
+          "lean_imports"]
 
 # (importer, imported): the few arrows that run back up, each with its reason; the import line
 # itself carries a comment saying why.
@@ -113,7 +114,8 @@ def import_cycles(modules: dict[str, Path]) -> list[str]:
 
 def test_the_root_holds_only_the_shared_pieces():
     flat = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert flat == ["__init__.py", "errors.py", "quiet.py"], flat
+    # what every process installs on ``import ray_ppu`` (quiet, lean_imports) and the errors
+    assert flat == ["__init__.py", "errors.py", "lean_imports.py", "quiet.py"], flat
     for sub in PACKAGE.iterdir():
         if sub.is_dir() and sub.name != "__pycache__":
             assert sub.name in LAYERS, f"{sub.name}/ has no place in LAYERS"
