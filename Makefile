@@ -51,7 +51,7 @@ test: $(VENV)/.installed chromium  ## the CPU test suite (real Ray, real Megatro
 		echo "make test: $$(( $$(date +%s) - start )) s in all (pytest's own count above)"; \
 		exit $$status
 
-test-faults: $(VENV)/.installed  ## node loss, elastic shrink/grow, kill during a save, drain, full disk (about 15 minutes)
+test-faults: $(VENV)/.installed  ## node loss, elastic shrink/grow, kill during a save, drain, full disk (about 11 minutes)
 	$(PY) -m pytest -q -m faults
 
 benchmark: $(VENV)/.installed  ## Ray Train vs torchrun overhead
