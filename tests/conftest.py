@@ -1,5 +1,5 @@
-"""Shared fixtures: one real local Ray for the whole session, a real idxmap corpus, and one
-torchrun launch of 2 CPU ranks that runs every module's rank-side job (``launch_torchrun``)."""
+"""Shared fixtures: one real local Ray for the whole session, a real idxmap corpus, and a
+torchrun launch of 2 CPU ranks that runs the modules' rank-side jobs (``launch_torchrun``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class _RankJobs:
-    """The test process's end of tests/rank_jobs.py: one torchrun launch of 2 CPU ranks that
-    runs every module's rank-side job in turn, started on first use, and again for the next
-    job after one failed (a failed job ends its launch)."""
+    """The test process's end of tests/rank_jobs.py: a torchrun launch of 2 CPU ranks that
+    runs rank-side jobs in turn, started on first use, and again for the next job after one
+    failed (a failed job ends its launch) or after the tests between closed it."""
 
     def __init__(self):
         self.root = None  # one directory per session, an inbox per launch in it
@@ -89,8 +89,8 @@ _RANKS = _RankJobs()
 
 def launch_torchrun(script: str, jobs: dict, out: Path, timeout: float = 600) -> Path:
     """Run ``script``'s ``__main__`` on 2 CPU ranks with ``jobs`` (written to
-    ``out/jobs.json``, its one argument), in the session's one torchrun launch
-    (tests/rank_jobs.py); ``out`` back once both ranks returned."""
+    ``out/jobs.json``, its one argument), in the tests' torchrun launch (tests/rank_jobs.py);
+    ``out`` back once both ranks returned."""
     import json
 
     (out / "jobs.json").write_text(json.dumps(jobs))
@@ -113,7 +113,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 @pytest.fixture(scope="session", autouse=True)
 def _rank_jobs_end():
-    """The session's torchrun launch (if one started) stops with the session; its files go."""
+    """The torchrun launch (if one is running) stops with the session; its files go."""
     import shutil
 
     yield

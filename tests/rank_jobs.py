@@ -1,14 +1,14 @@
 """The rank side of ``conftest.launch_torchrun``: one torchrun launch of 2 CPU ranks serves
-every test module's rank-side work in a session, one job after another.
+the rank-side jobs of the tests that run one after another, one job after another.
 
 A torchrun launch costs about 7 s on 2 cores before a rank runs a line of its job (the agent,
-two Pythons importing torch, Megatron-Core and transformers, gloo's rendezvous), and six test
-modules paid it each. Here the ranks join the default process group once and run each job as
-its module ran under its own launch: the module's ``__main__`` with ``sys.argv = [module,
-jobs.json]`` (``runpy``), so the module's code is unchanged. Its imports stay loaded for the
-next job; Megatron's parallel state is set up and torn down inside each job, as before, and
-any process group a job leaves is destroyed after it (Megatron-Core's teardown forgets most of
-its groups, and each gloo group keeps threads that poll).
+two Pythons importing torch, Megatron-Core and transformers, gloo's rendezvous). Here the
+ranks join the default process group once and run each job as its module ran under its own
+launch: the module's ``__main__`` with ``sys.argv = [module, jobs.json]`` (``runpy``), so the
+module's code is unchanged. Its imports stay loaded for the next job; Megatron's parallel
+state is set up and torn down inside each job, as before (``ray_ppu.model.parallel.destroy``
+ends the groups it added), and what the job built is collected after it. The test process
+ends the launch when the next test does not use it (conftest).
 
 Protocol (files in INBOX, the one argument): job k is ``<k>.json`` (``{"script", "jobs"}``),
 written by the test process; rank r answers ``<k>.rank<r>.json`` (``{"ok"}`` or ``{"error"}``
@@ -48,17 +48,6 @@ def _answer(inbox: Path, k: int, rank: int, answer: dict) -> None:
     atomic_write_text(inbox / f"{k}.rank{rank}.json", json.dumps(answer), fsync=False)
 
 
-def _end_groups_but_the_default() -> None:
-    """Every process group a job left registered: the next job starts as a fresh launch
-    would, with the default group alone."""
-    import torch.distributed as dist
-
-    world = dist.distributed_c10d.GroupMember.WORLD
-    for group in list(dist.distributed_c10d._world.pg_map):
-        if group is not world:
-            dist.destroy_process_group(group)
-
-
 def serve(inbox: Path) -> None:
     import torch.distributed as dist
 
@@ -76,7 +65,6 @@ def serve(inbox: Path) -> None:
             os._exit(1)  # the other rank may wait in a collective: torchrun ends it
         finally:
             sys.argv = argv
-        _end_groups_but_the_default()
         # what the job built is garbage now, in cycles (its module's functions and globals,
         # Megatron DDP's hooks): collected here, its gloo groups' polling threads end with it
         gc.collect()
