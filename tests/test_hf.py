@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, launch_torchrun
+from conftest import REPO, ByteTokenizer, launch_torchrun
 from ray_ppu.util.net import free_port
 from ray_ppu.config.loader import ConfigError, load
 from ray_ppu.config.presets import PRESETS
@@ -568,10 +568,11 @@ def test_model_trained_from_scratch_exports_to_transformers(uninterrupted, qwen2
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_dir, tmp_path):
+def test_finetune_from_hf_under_ray_train(ray_cluster, byte_corpus, qwen2_tokenizer_dir, tmp_path):
     """PP 2 under Ray Train from a Hugging Face Qwen2 with tied embeddings (the last stage's
-    output layer reads embed_tokens) and the vocabulary 151936 padded to 152064 (the padding
-    masked): iteration 1's loss is transformers' loss on the same global batch; training and
+    output layer reads embed_tokens) and a vocabulary of 384 padded to 512 (the padding masked;
+    the byte corpus, conftest: Qwen2's 151,936 entries were most of this test's time):
+    iteration 1's loss is transformers' loss on the same global batch; training and
     validation losses fall (the Ray path's pipeline test: the first and last stages read the
     data); the trained checkpoint exports to a model transformers loads, with a lower loss on
     the batch it trained on."""
@@ -586,18 +587,19 @@ def test_finetune_from_hf_under_ray_train(ray_cluster, corpus, qwen2_tokenizer_d
     from ray_ppu.launch.output import absolute_paths, prepare_output
 
     hf = tmp_path / "Qwen2-tiny"
-    _hf_model("qwen_gqa", vocab_size=151_936, num_hidden_layers=2,
+    _hf_model("qwen_gqa", vocab_size=ByteTokenizer.vocab_size, num_hidden_layers=2,
               max_position_embeddings=32768).save_pretrained(hf)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(Path(qwen2_tokenizer_dir) / name, hf / name)
     cfg = absolute_paths(load(None, [
-        *overrides(corpus, tmp_path / "run", "training.train_iters=4", "training.eval_interval=2",
-                   "cluster.num_workers=2", "parallel.pipeline_model_parallel_size=2",
-                   "training.lr=1e-2"),
-        "model.make_vocab_size_divisible_by=256", f"checkpoint.pretrained={hf}"]))
-    assert cfg.model.vocab_size == 151_936 and cfg.model.preset is None
+        *overrides(byte_corpus, tmp_path / "run", "training.train_iters=4",
+                   "training.eval_interval=2", "cluster.num_workers=2",
+                   "parallel.pipeline_model_parallel_size=2", "training.lr=1e-2"),
+        "model.make_vocab_size_divisible_by=256", f"data.eod_token_id={ByteTokenizer.eod}",
+        f"checkpoint.pretrained={hf}"]))
+    assert cfg.model.vocab_size == ByteTokenizer.vocab_size and cfg.model.preset is None
     plan = build_plan(cfg)
-    assert plan.padded_vocab_size == 152_064
+    assert plan.padded_vocab_size == 512
     prepare_output(cfg, plan)
     final, messages = _launch(cfg, plan)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
