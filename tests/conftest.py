@@ -11,6 +11,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# every run also prints the machine's busy CPU time and its ten heaviest tests by it
+pytest_plugins = ("cpu_time",)
+
 
 class _RankJobs:
     """The test process's end of tests/rank_jobs.py: a torchrun launch of 2 CPU ranks that
