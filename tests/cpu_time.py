@@ -11,6 +11,7 @@ hour to the next on these machines; CPU seconds say where the work is.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -41,7 +42,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _spent or _spent[0][2] != _spent[0][2]:  # no test ran, or no /proc/stat
+    if not _spent or math.isnan(_spent[0][2]):  # no test ran, or no /proc/stat
         return
     wall = sum(w for _, w, _ in _spent)
     busy = sum(b for _, _, b in _spent)
