@@ -168,7 +168,7 @@ class ByteTokenizer:
     64 × TP for TP ≤ 2: the padded vocabulary, hence the initial weights, are the same at TP 1
     and TP 2): what write_idxmap needs of a tokenizer."""
 
-    name, eod, vocab_size = "bytes", 256, 384
+    eod, vocab_size = 256, 384
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(text.encode("utf-8")) for text in texts]

@@ -4,17 +4,17 @@ The suite is bound by CPU on a 2-core machine: most of a test's cost is in proce
 starts (Ray Train's actors and workers, torchrun ranks, entry points), which ``--durations``
 does not see and which keep running while the test waits. So every run also prints the
 machine's busy CPU time over the run and its ten heaviest tests by the busy CPU time spent
-while each ran (``/proc/stat``: every process's, so a test is charged for what runs beside
+while each ran (``psutil.cpu_times``: every process's, so a test is charged for what runs beside
 it; on an otherwise idle machine that is its own work). Wall times vary by a quarter from one
 hour to the next on these machines; CPU seconds say where the work is.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
+import psutil
 import pytest
 
 HEAVIEST = 10
@@ -22,15 +22,11 @@ _spent: list[tuple[str, float, float]] = []  # (test id, wall s, busy CPU s)
 
 
 def busy_cpu_s() -> float:
-    """CPU seconds this machine has spent outside idle and I/O wait since boot (NaN where
-    there is no /proc/stat)."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return float("nan")
-    # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds this machine has spent outside idle and I/O wait since boot."""
+    times = psutil.cpu_times()
+    # guest time is already counted in user time (Linux)
+    return (sum(times) - times.idle - getattr(times, "iowait", 0.0)
+            - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -42,7 +38,7 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter):
-    if not _spent or math.isnan(_spent[0][2]):  # no test ran, or no /proc/stat
+    if not _spent:
         return
     wall = sum(w for _, w, _ in _spent)
     busy = sum(b for _, _, b in _spent)
