@@ -1,5 +1,6 @@
-"""Shared fixtures: one real local Ray for the whole session, a real idxmap corpus, and a
-torchrun launch of 2 CPU ranks that runs the modules' rank-side jobs (``launch_torchrun``)."""
+"""Shared fixtures: one real local Ray for the whole session, a real idxmap corpus, a torchrun
+launch of 2 CPU ranks that runs the modules' rank-side jobs (``launch_torchrun``), and the
+longest Ray Train runs started with the session beside the tests (``prelaunched``)."""
 
 from __future__ import annotations
 
@@ -127,12 +128,33 @@ def _rank_jobs_end():
 
 sys.path.insert(0, str(REPO))
 
-SIMULATED_PPUS = 4
+
+@pytest.fixture(scope="session", autouse=True)
+def prelaunched(request, tmp_path_factory):
+    """The longest Ray Train runs the collected tests need (tests/prelaunch.py ``RUNS``),
+    started with the session in a helper driver beside the tests; their modules' fixtures
+    take their results from it."""
+    from prelaunch import ENABLED, RUNS, Prelaunch, inputs_of
+
+    wanted = [key for key in RUNS if any(key in item.fixturenames for item in request.session.items)]
+    runs = Prelaunch({key: (tmp_path_factory.mktemp(key),
+                            {name: request.getfixturevalue(name) for name in inputs_of(key)})
+                      for key in wanted})
+    if wanted and ENABLED:
+        ray = request.getfixturevalue("ray_cluster")
+        runs.start(ray.get_runtime_context().gcs_address,
+                   tmp_path_factory.getbasetemp() / "prelaunch.log")
+    yield runs
+    runs.close()
+
+
+# the tests' largest group (test_ppu_binding's 4 workers) beside a prelaunched run's 2
+SIMULATED_PPUS = 8
 
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray whose raylet advertises 4 simulated PPUs with per-unit ids."""
+    """A local Ray whose raylet advertises simulated PPUs with per-unit ids."""
     import ray
 
     from ray_ppu.launch import ray_connect

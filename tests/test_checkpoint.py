@@ -275,10 +275,14 @@ def uninterrupted_run(corpus, out) -> dict:
 
 
 def _dataset_managers() -> int:
-    """Ray Train DatasetManager actors this session's Ray has seen (dead ones included)."""
+    """Ray Train DatasetManager actors this test process's Ray job has started (dead ones
+    included; not a prelaunched run's, another job)."""
+    import ray
     from ray.util.state import list_actors
 
-    return len(list_actors(filters=[("class_name", "=", "DatasetManager")], limit=10_000))
+    return len(list_actors(filters=[("class_name", "=", "DatasetManager"),
+                                    ("job_id", "=", ray.get_runtime_context().get_job_id())],
+                           limit=10_000))
 
 
 def scrape_ray_metrics(run: str, lines: list, ranks: int = 2):
@@ -347,34 +351,46 @@ def launch_while(cfg, plan, action) -> tuple[dict, list[str]]:
         thread.join()
 
 
-def kill_a_worker_when(ready, killed: list, delay_s: float = 0.0):
-    """A ``launch_while`` action: SIGKILL one training worker as soon as ``ready()`` holds
-    (``delay_s`` later)."""
+def run_workers(out: Path) -> list:
+    """The training workers of the run writing to ``out``, rank order: the pids its ranks
+    wrote in their progress files (``<out>/ray_train/<run>/progress/<launch>/rank_<r>.json``,
+    rewritten by every group), those still running. Only this run's, whatever else trains on
+    the session's Ray beside it (tests/prelaunch.py)."""
+    import psutil
+
+    workers = []
+    for path in sorted(Path(out).glob("ray_train/*/progress/*/rank_*.json")):
+        try:
+            proc = psutil.Process(json.loads(path.read_text())["pid"])
+            if proc.status() != psutil.STATUS_ZOMBIE and "RayTrainWorker" in " ".join(proc.cmdline()):
+                workers.append(proc)
+        except (OSError, ValueError, KeyError, psutil.Error):  # being written, or gone
+            continue
+    return workers
+
+
+def kill_a_worker_when(ready, out: Path, killed: list, delay_s: float = 0.0):
+    """A ``launch_while`` action: SIGKILL one training worker of the run in ``out`` as soon
+    as ``ready()`` holds (``delay_s`` later)."""
 
     def action(stop: threading.Event) -> None:
         while not stop.is_set():
             if ready():
                 time.sleep(delay_s)
-                if _kill_one_worker(killed):
+                if _kill_one_worker(out, killed):
                     return
             time.sleep(0.01)
 
     return action
 
 
-def _kill_one_worker(killed: list) -> bool:
-    """SIGKILL one of this session's training workers (its pid into ``killed``), if any."""
-    workers = _train_workers()
+def _kill_one_worker(out: Path, killed: list) -> bool:
+    """SIGKILL one training worker of the run in ``out`` (its pid into ``killed``), if any."""
+    workers = run_workers(out)
     if workers:
         workers[0].kill()
         killed.append(workers[0].pid)
     return bool(workers)
-
-
-def kill_a_worker_after(meta_file: Path, killed: list):
-    """SIGKILL one training worker as soon as ``meta_file`` exists (the checkpoint is
-    complete): the group dies in the middle of the iterations after it."""
-    return kill_a_worker_when(meta_file.exists, killed)
 
 
 def _rows_after_restart(metrics_file: Path, restarts: int) -> list[dict]:
@@ -386,14 +402,16 @@ def _rows_after_restart(metrics_file: Path, restarts: int) -> list[dict]:
     return [r for r in rows if "lm_loss" in r and r.get("restarts") == restarts]
 
 
-def _kill_keepers() -> int:
-    """Kill every snapshot keeper (this test session's Ray): all in-memory copies are gone."""
+def _kill_keepers(out: Path) -> int:
+    """Kill the snapshot keepers of the run in ``out`` (named after its launch's token, the
+    name of its progress directory): all its in-memory copies are gone."""
     import ray
 
     from ray_ppu.recovery.snapshot_keeper import NAMESPACE
 
+    tokens = {p.name for p in Path(out).glob("ray_train/*/progress/*")}
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE]
+             if a["namespace"] == NAMESPACE and a["name"].split(":")[1] in tokens]
     for name in names:
         ray.kill(ray.get_actor(name, namespace=NAMESPACE))
     return len(names)
@@ -403,7 +421,8 @@ def interrupt_twice(metrics_file: Path, record_file: Path, killed: list, seen: d
     """A ``launch_while`` action: kill a worker after iteration 5 (a memory restore follows);
     keep the restarted group's stream-start record; once that group has logged an iteration,
     kill the keepers and then a worker (a disk restore follows)."""
-    first = kill_a_worker_at(metrics_file, 5, killed)
+    out = metrics_file.parent
+    first = kill_a_worker_at(out, 5, killed)
 
     def action(stop: threading.Event) -> None:
         first(stop)
@@ -413,8 +432,8 @@ def interrupt_twice(metrics_file: Path, record_file: Path, killed: list, seen: d
                 if (record.get("checkpoint") or "").startswith("memory:"):  # None: scratch
                     seen["record"] = record  # the next group overwrites it
             if seen.get("record") and _rows_after_restart(metrics_file, 1):
-                seen["keepers"] = _kill_keepers()
-                _kill_one_worker(killed)
+                seen["keepers"] = _kill_keepers(out)
+                _kill_one_worker(out, killed)
                 return
             time.sleep(0.01)
 
@@ -498,10 +517,11 @@ def _logged(metrics_file: Path, iteration: int) -> bool:
         return False
 
 
-def kill_a_worker_at(metrics_file: Path, iteration: int, killed: list):
-    """SIGKILL one training worker once rank 0 has logged ``iteration`` (and the snapshot
-    after it has had a moment to reach the keepers)."""
-    return kill_a_worker_when(lambda: _logged(metrics_file, iteration), killed, delay_s=1.0)
+def kill_a_worker_at(out: Path, iteration: int, killed: list):
+    """SIGKILL one training worker of the run in ``out`` once its rank 0 has logged
+    ``iteration`` (and the snapshot after it has had a moment to reach the keepers)."""
+    return kill_a_worker_when(lambda: _logged(out / "metrics.jsonl", iteration), out, killed,
+                              delay_s=1.0)
 
 
 @pytest.mark.slow

@@ -30,26 +30,24 @@ import pytest
 import torch
 
 from conftest import REPO
-from test_sft_training import sft_files  # noqa: F401 (the SFT records, a module fixture)
+from test_sft_training import write_sft_files
 from ray_ppu.config.loader import load
 
 ITERS = 8
 PROMPT = [9707, 11, 1879, 0, 3555, 374, 220, 16, 488, 220, 17]
 
 
-@pytest.fixture(scope="module")
-def base_and_adapter(tmp_path_factory, qwen2_tokenizer_dir):
+def _base_and_adapter(root: Path, tokenizer_dir) -> tuple[Path, Path]:
     """A 2-layer Qwen2 with the real vocabulary (its tokenizer beside it), and a PEFT adapter
     on it with non-zero B (the run starts away from the base)."""
     from peft import LoraConfig, get_peft_model
     from test_hf import _hf_model
 
-    root = tmp_path_factory.mktemp("lora_run")
     base = root / "Qwen2-tiny"
     _hf_model("qwen_gqa", vocab_size=151_936, num_hidden_layers=2,
               max_position_embeddings=32768).save_pretrained(base)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(Path(qwen2_tokenizer_dir) / name, base / name)
+        shutil.copyfile(Path(tokenizer_dir) / name, base / name)
     model = get_peft_model(_hf_model("qwen_gqa", vocab_size=151_936, num_hidden_layers=2,
                                      max_position_embeddings=32768),
                            LoraConfig(r=4, lora_alpha=8, rank_pattern={"q_proj": 2, "v_proj": 6},
@@ -89,37 +87,57 @@ def _run(cfg, action=None):
     return {"cfg": cfg, "plan": plan, "final": final, "rows": rows}
 
 
-def _interrupt_twice(metrics: Path, killed: list):
-    """Kill a worker after iteration 5; once the restarted group has logged 6, the keepers
-    and a worker."""
+def _interrupt_twice(out: Path, killed: list):
+    """Kill a worker of the run in ``out`` after iteration 5; once the restarted group has
+    logged 6, the run's keepers and a worker."""
     from test_checkpoint import _kill_keepers, _kill_one_worker, _logged, _rows_after_restart
+
+    metrics = out / "metrics.jsonl"
 
     def action(stop: threading.Event) -> None:
         while not stop.is_set() and not _logged(metrics, 5):
             time.sleep(0.01)
-        if stop.is_set() or not _kill_one_worker(killed):
+        if stop.is_set() or not _kill_one_worker(out, killed):
             return
         while not stop.is_set():
             if any(r["iteration"] >= 6 for r in _rows_after_restart(metrics, 1)):
-                _kill_keepers()
-                _kill_one_worker(killed)
+                _kill_keepers(out)
+                _kill_one_worker(out, killed)
                 return
             time.sleep(0.01)
 
     return action
 
 
-@pytest.fixture(scope="module")
-def tp2(ray_cluster, sft_files, base_and_adapter, tmp_path_factory):
-    base, adapter = base_and_adapter
-    out = tmp_path_factory.mktemp("lora_tp2")
-    cfg = _config(sft_files, base, adapter, out, "parallel.tensor_model_parallel_size=2",
+def run_lora(root: Path, qwen2_tokenizer_dir) -> dict:
+    """The module's run, ``tp2`` (the module docstring), from files it makes under ``root``:
+    the SFT records, the base and its adapter. Prelaunched (tests/prelaunch.py)."""
+    files = write_sft_files(root / "sft")
+    base, adapter = _base_and_adapter(root, qwen2_tokenizer_dir)
+    out = root / "lora_tp2"
+    out.mkdir()
+    cfg = _config(files, base, adapter, out, "parallel.tensor_model_parallel_size=2",
                   "parallel.sequence_parallel=true", "checkpoint.memory_interval=2",
                   "cluster.max_failures=2")
     killed: list = []
-    result = _run(cfg, _interrupt_twice(out / "metrics.jsonl", killed))
+    result = _run(cfg, _interrupt_twice(out, killed))
     assert len(killed) == 2, killed
-    return result
+    return {"tp2": result, "base": base, "adapter": adapter}
+
+
+@pytest.fixture(scope="module")
+def lora_run(prelaunched):
+    return prelaunched.result("lora_run")
+
+
+@pytest.fixture(scope="module")
+def tp2(lora_run):
+    return lora_run["tp2"]
+
+
+@pytest.fixture(scope="module")
+def base_and_adapter(lora_run):
+    return lora_run["base"], lora_run["adapter"]
 
 
 def _first_and_again(rows: list) -> tuple[dict, dict]:

@@ -1,8 +1,8 @@
 """Per-worker PPU binding (ray_ppu.launch.ray_worker.assigned_device_id) under real Ray Train workers.
 
-Two TorchTrainers of 2 workers × 1 PPU run at the same time on the session cluster's 4
-simulated PPUs (their workers wait for each other, so all four hold a PPU at once): Ray must
-hand out four distinct ids. The same workers then ask for a resource name Ray gave them no ids
+Two TorchTrainers of 2 workers × 1 PPU run at the same time on the session cluster's simulated
+PPUs (their workers wait for each other, so all four hold a PPU at once): Ray must hand out
+four distinct ids. The same workers then ask for a resource name Ray gave them no ids
 for: the fallback is the local rank, with one warning per process however often it is asked.
 """
 
@@ -21,7 +21,7 @@ from conftest import SIMULATED_PPUS
 # there).
 ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-WORKERS = 2  # per trainer; two PPU trainers take every simulated PPU
+WORKERS = 2  # per trainer
 NOT_HELD = "NOT_A_RESOURCE"  # no node advertises it: Ray has no ids for it
 
 
@@ -88,9 +88,9 @@ def concurrent_trainers(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("ppu_binding")
     rendezvous = root / "rendezvous"
     rendezvous.mkdir()
-    # Every PPU must be free: the two trainers fit only together.
+    # Four PPUs must be free (a prelaunched run may hold others): the trainers fit together.
     deadline = time.monotonic() + 60
-    while ray_cluster.available_resources().get("PPU", 0) < SIMULATED_PPUS:
+    while ray_cluster.available_resources().get("PPU", 0) < 2 * WORKERS:
         assert time.monotonic() < deadline, f"PPUs still held: {ray_cluster.available_resources()}"
         time.sleep(0.5)
     config = {"rendezvous": str(rendezvous), "expected": 2 * WORKERS}
@@ -124,7 +124,7 @@ def test_concurrent_trainers_get_distinct_ppus(concurrent_trainers):
     ids = a + b
     assert all(isinstance(i, int) for i in ids), ids
     # distinct within a trainer and across the two: each worker drives its own PPU
-    assert sorted(ids) == list(range(SIMULATED_PPUS)), (a, b)
+    assert len(set(ids)) == 2 * WORKERS and set(ids) <= set(range(SIMULATED_PPUS)), (a, b)
 
 
 def test_no_ids_falls_back_to_local_rank_with_one_warning(concurrent_trainers):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from conftest import SIMULATED_PPUS
 from ray_ppu.launch import preflight
 from ray_ppu.config.loader import load
 from ray_ppu.errors import ClusterError
@@ -121,12 +122,13 @@ def test_a_node_that_does_not_answer_in_time_is_named(ray_cluster, corpus, tmp_p
 
 def test_workers_without_cpus_beside_their_ppus_are_refused_at_once(ray_cluster, corpus,
                                                                     tmp_path):
-    """4 workers × 3 CPU on the test cluster's one node of 4 PPU and 8 CPU (1 of them the
-    reader's 0.5): the group could never be placed, so the launch says so before it waits."""
+    """4 workers × 3 CPU on the test cluster's one node of 8 CPU (the reader's 0.5 of
+    them) and more PPUs: the group could never be placed, so the launch says so before it
+    waits."""
     from ray_ppu.launch.preflight import check_capacity
 
     cfg = config(corpus, tmp_path, "cluster.num_workers=4", "cluster.cpus_per_worker=3")
-    with pytest.raises(ClusterError, match=r"4 workers × 3 CPU .* hold 2: .*4 PPU, 8 CPU of "
-                                           r"which the readers take 0.5: room for 2 worker"):
+    with pytest.raises(ClusterError, match=rf"4 workers × 3 CPU .* hold 2: .*{SIMULATED_PPUS} PPU, "
+                                           r"8 CPU of which the readers take 0.5: room for 2 worker"):
         check_capacity(cfg)
     check_capacity(config(corpus, tmp_path, "cluster.num_workers=4", "cluster.cpus_per_worker=1"))

@@ -12,6 +12,7 @@ loss it gave the first time.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -24,11 +25,11 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220),
 SIZES = [(56, 56), (40, 130), (150, 60), (112, 112), (90, 70)]  # 4 … 16 tokens each
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
+def _records(root: Path) -> Path:
+    """24 chat records of one or two images each, their images beside them in ``root``."""
     from PIL import Image, ImageDraw
 
-    root = tmp_path_factory.mktemp("qwen_vl_records")
+    root.mkdir()
     lines = []
     for i in range(24):
         names = list(COLOURS)[i % 4], list(COLOURS)[(i * 3 + 1) % 4]
@@ -62,32 +63,41 @@ def _config(model_dir, records, out, tp, *extra):
         f"parallel.tensor_model_parallel_size={tp}", *extra]))
 
 
-@pytest.fixture(scope="module")
-def row_cache(tmp_path_factory):
-    """One SFT row cache for both runs (its key is the records, tokenizer and row layout, which
-    they share): the second run's rows are read, not made again by Ray Data."""
-    return tmp_path_factory.mktemp("qwen_vl_rows")
-
-
-@pytest.fixture(scope="module")
-def tp1(ray_cluster, tiny_qwen_vl_dir, records, row_cache, tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen_vl_tp1")
-    # the reference losses only: no snapshots, no checkpoint
-    return _run(_config(tiny_qwen_vl_dir, records, out, 1, "checkpoint.memory_interval=0",
-                        "checkpoint.enabled=false", f"data.index_cache_dir={row_cache}"))
-
-
-@pytest.fixture(scope="module")
-def tp2(ray_cluster, tiny_qwen_vl_dir, records, row_cache, tmp_path_factory):
+def run_qwen_vl(root: Path, tiny_qwen_vl_dir) -> dict:
+    """The module's two runs on the records it writes under ``root``: TP 1, the reference
+    losses only (no snapshots, no checkpoint), and TP 2 with a worker killed after iteration
+    5. One SFT row cache for both (its key is the records, tokenizer and row layout, which
+    they share): the second run's rows are read, not made again by Ray Data. Prelaunched
+    (tests/prelaunch.py)."""
     from test_checkpoint import kill_a_worker_at
 
-    out = tmp_path_factory.mktemp("qwen_vl_tp2")
-    cfg = _config(tiny_qwen_vl_dir, records, out, 2, "checkpoint.memory_interval=4",
+    records, row_cache = _records(root / "records"), root / "rows"
+    tp1, tp2 = root / "tp1", root / "tp2"
+    for path in (row_cache, tp1, tp2):
+        path.mkdir()
+    reference = _run(_config(tiny_qwen_vl_dir, records, tp1, 1, "checkpoint.memory_interval=0",
+                             "checkpoint.enabled=false", f"data.index_cache_dir={row_cache}"))
+    cfg = _config(tiny_qwen_vl_dir, records, tp2, 2, "checkpoint.memory_interval=4",
                   "cluster.max_failures=1", f"data.index_cache_dir={row_cache}")
     killed: list = []
-    result = _run(cfg, kill_a_worker_at(out / "metrics.jsonl", 5, killed))
+    result = _run(cfg, kill_a_worker_at(tp2, 5, killed))
     assert len(killed) == 1, killed
-    return result
+    return {"tp1": reference, "tp2": result}
+
+
+@pytest.fixture(scope="module")
+def qwen_vl_runs(prelaunched):
+    return prelaunched.result("qwen_vl_runs")
+
+
+@pytest.fixture(scope="module")
+def tp1(qwen_vl_runs):
+    return qwen_vl_runs["tp1"]
+
+
+@pytest.fixture(scope="module")
+def tp2(qwen_vl_runs):
+    return qwen_vl_runs["tp2"]
 
 
 @pytest.mark.slow

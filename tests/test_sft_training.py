@@ -5,6 +5,7 @@ launch for both."""
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,14 +31,19 @@ def arithmetic_records(n: int, seed: int = 0) -> list[dict]:
     return records
 
 
-@pytest.fixture(scope="module")
-def sft_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft")
+def write_sft_files(root: Path) -> Path:
+    """The SFT records: 400 arithmetic questions to train on, 64 to validate, in ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
     for name, n, seed in (("train.jsonl", 400, 0), ("valid.jsonl", 64, 1)):
         with open(root / name, "w", encoding="utf-8") as f:
             for record in arithmetic_records(n, seed):
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
     return root
+
+
+@pytest.fixture(scope="module")
+def sft_files(tmp_path_factory):
+    return write_sft_files(tmp_path_factory.mktemp("sft"))
 
 
 def sft_overrides(files, tokenizer_dir, out, *extra):

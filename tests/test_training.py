@@ -177,9 +177,11 @@ def test_moe_at_tp2_ep2_on_ray_trains_like_one_process(moe_baseline, corpus, tmp
 
 
 def test_too_few_ppus_fails_at_once(ray_cluster, corpus, tmp_path):
-    cfg = absolute_paths(load(None, overrides(corpus, tmp_path, f"cluster.num_workers={SIMULATED_PPUS * 2}",
-                                              "training.global_batch_size=8")))
+    workers = SIMULATED_PPUS * 2
+    cfg = absolute_paths(load(None, overrides(corpus, tmp_path, f"cluster.num_workers={workers}",
+                                              f"training.global_batch_size={workers}")))
     start = time.monotonic()
-    with pytest.raises(ClusterError, match=rf"needs 8 workers × 1 PPU = 8 PPU, but the cluster has {SIMULATED_PPUS}"):
+    with pytest.raises(ClusterError, match=rf"needs {workers} workers × 1 PPU = {workers} PPU, "
+                                           rf"but the cluster has {SIMULATED_PPUS}"):
         launch(cfg, build_plan(cfg))
     assert time.monotonic() - start < 10  # an error, not a wait for placement

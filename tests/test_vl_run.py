@@ -28,13 +28,6 @@ BAD_RECORDS = ('{"image": "nowhere.png", "conversations": [{"from": "human", "va
                '{"from": "gpt", "value": "Red."}]}\n{"image": "x.png", "conversations": [\n')
 
 
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    from ray_ppu.tools.shapes import write_corpus
-
-    return write_corpus(tmp_path_factory.mktemp("shapes"), train=48, valid=8, heldout=0)
-
-
 def _config(shapes, base, out, data, *extra):
     from ray_ppu.launch.output import absolute_paths
 
@@ -48,17 +41,16 @@ def _config(shapes, base, out, data, *extra):
         "training.eval_iters=1", *extra]))
 
 
-@pytest.fixture(scope="module")
-def converted(tiny_llava_dir, tmp_path_factory):
-    """The LLaVA directory as a weights-only ray_ppu checkpoint (what a stage-1 run leaves).
-    In a process of its own: the checkpoint writer forks a helper, and a fork of this process
-    (the session's Ray driver) breaks the Ray Data pipelines that follow."""
+def _converted(tiny_llava_dir, out: Path) -> Path:
+    """The LLaVA directory as a weights-only ray_ppu checkpoint in ``out`` (what a stage-1
+    run leaves). In a process of its own: the checkpoint writer forks a helper, and a fork of
+    a Ray driver breaks the Ray Data pipelines that follow."""
     import subprocess
     import sys
 
     from conftest import REPO
 
-    out = tmp_path_factory.mktemp("vl_converted")
+    out.mkdir()
     proc = subprocess.run([sys.executable, str(REPO / "entrypoints" / "convert_checkpoint.py"),
                            "hf-to-mcore", "--hf", str(tiny_llava_dir), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
@@ -66,11 +58,18 @@ def converted(tiny_llava_dir, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def stage2(ray_cluster, converted, shapes, tiny_llava_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("vl_stage2")
-    # the shapes questions and two bad records after them: dropped, counted and listed
-    data = out.parent / "train_and_bad.jsonl"
+def run_vl_stage2(root: Path, tiny_llava_dir) -> dict:
+    """The module's run, from files it makes under ``root``: the shapes corpus (and two bad
+    records after its training records: dropped, counted and listed), the converted LLaVA
+    checkpoint; a worker killed after iteration 5. Prelaunched (tests/prelaunch.py)."""
+    from ray_ppu.tools.shapes import write_corpus
+    from test_checkpoint import kill_a_worker_at
+
+    shapes = write_corpus(root / "shapes", train=48, valid=8, heldout=0)
+    converted = _converted(tiny_llava_dir, root / "converted")
+    out = root / "stage2"
+    out.mkdir()
+    data = root / "train_and_bad.jsonl"
     data.write_text(Path(shapes["train"]).read_text() + BAD_RECORDS)
     cfg = _config(shapes, tiny_llava_dir, out, data,
                   f"checkpoint.load={converted}",
@@ -78,12 +77,30 @@ def stage2(ray_cluster, converted, shapes, tiny_llava_dir, tmp_path_factory):
                   "lora.enabled=true", "lora.rank=8", "lora.alpha=16",
                   "parallel.tensor_model_parallel_size=2", f"training.train_iters={STAGE2_ITERS}",
                   "checkpoint.memory_interval=4", "cluster.max_failures=1")
-    from test_checkpoint import kill_a_worker_at
-
     killed: list = []
-    result = _run(cfg, kill_a_worker_at(out / "metrics.jsonl", 5, killed))
+    result = _run(cfg, kill_a_worker_at(out, 5, killed))
     assert len(killed) == 1, killed
-    return result
+    return {"shapes": shapes, "converted": converted, "stage2": result}
+
+
+@pytest.fixture(scope="module")
+def vl_stage2_run(prelaunched):
+    return prelaunched.result("vl_stage2_run")
+
+
+@pytest.fixture(scope="module")
+def shapes(vl_stage2_run):
+    return vl_stage2_run["shapes"]
+
+
+@pytest.fixture(scope="module")
+def converted(vl_stage2_run):
+    return vl_stage2_run["converted"]
+
+
+@pytest.fixture(scope="module")
+def stage2(vl_stage2_run):
+    return vl_stage2_run["stage2"]
 
 
 @pytest.mark.slow
