@@ -140,10 +140,11 @@ def prelaunched(request, tmp_path_factory):
     runs = Prelaunch({key: (tmp_path_factory.mktemp(key),
                             {name: request.getfixturevalue(name) for name in inputs_of(key)})
                       for key in wanted})
-    if wanted and ENABLED:
+    if wanted:  # in the helper or, RAY_PPU_TESTS_PRELAUNCH=0, here: on the session's Ray
         ray = request.getfixturevalue("ray_cluster")
-        runs.start(ray.get_runtime_context().gcs_address,
-                   tmp_path_factory.getbasetemp() / "prelaunch.log")
+        if ENABLED:
+            runs.start(ray.get_runtime_context().gcs_address,
+                       tmp_path_factory.getbasetemp() / "prelaunch.log")
     yield runs
     runs.close()
 

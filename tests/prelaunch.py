@@ -92,7 +92,8 @@ class Prelaunch:
                 raise AssertionError(f"the prelaunched run {key} {why}; its output:\n{output}")
             time.sleep(0.2)
         if (root / "error.txt").exists():
-            raise AssertionError(f"the prelaunched run {key} failed:\n"
+            raise AssertionError(f"the prelaunched run {key} failed (the helper's output: "
+                                 f"{self.log.name}; its workers': Ray's session logs):\n"
                                  + (root / "error.txt").read_text())
         with open(root / "result.pkl", "rb") as f:
             return pickle.load(f)

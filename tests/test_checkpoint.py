@@ -321,23 +321,6 @@ def scrape_ray_metrics(run: str, lines: list, ranks: int = 2):
     return action
 
 
-def _train_workers() -> list:
-    """This test process's Ray Train worker processes: the raylet this process started runs
-    them (never another session's), and their title is ``ray::RayTrainWorker…``. Children the
-    workers fork (dist_checkpointing's writers) carry the same title: parent must be the raylet."""
-    import psutil
-
-    workers = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if ("RayTrainWorker" in " ".join(proc.cmdline())
-                    and proc.parent().name() == "raylet"):
-                workers.append(proc)
-        except psutil.Error:
-            continue
-    return workers
-
-
 def launch_while(cfg, plan, action) -> tuple[dict, list[str]]:
     """Launch the run while ``action(stop)`` runs in a thread (a fault to inject; it must
     return once ``stop`` is set, when the run is over); returns ``_launch``'s result."""
@@ -362,7 +345,9 @@ def run_workers(out: Path) -> list:
     for path in sorted(Path(out).glob("ray_train/*/progress/*/rank_*.json")):
         try:
             proc = psutil.Process(json.loads(path.read_text())["pid"])
-            if proc.status() != psutil.STATUS_ZOMBIE and "RayTrainWorker" in " ".join(proc.cmdline()):
+            # a Ray worker still (its title names the task it runs: "ray::RayTrainWorker…",
+            # "ray::execute…"), not a pid used again
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.cmdline()[0].startswith("ray::"):
                 workers.append(proc)
         except (OSError, ValueError, KeyError, psutil.Error):  # being written, or gone
             continue
@@ -403,8 +388,9 @@ def _rows_after_restart(metrics_file: Path, restarts: int) -> list[dict]:
 
 
 def _kill_keepers(out: Path) -> int:
-    """Kill the snapshot keepers of the run in ``out`` (named after its launch's token, the
-    name of its progress directory): all its in-memory copies are gone."""
+    """Kill the named actors of the run in ``out`` (named after its launch's token, the name
+    of its progress directory): its snapshot keepers, so all its in-memory copies are gone,
+    and its readers with them."""
     import ray
 
     from ray_ppu.recovery.snapshot_keeper import NAMESPACE
@@ -422,7 +408,7 @@ def interrupt_twice(metrics_file: Path, record_file: Path, killed: list, seen: d
     keep the restarted group's stream-start record; once that group has logged an iteration,
     kill the keepers and then a worker (a disk restore follows)."""
     out = metrics_file.parent
-    first = kill_a_worker_at(out, 5, killed)
+    first = kill_a_worker_at(out, 5, killed, snapshot=5)  # a snapshot every iteration
 
     def action(stop: threading.Event) -> None:
         first(stop)
@@ -517,11 +503,34 @@ def _logged(metrics_file: Path, iteration: int) -> bool:
         return False
 
 
-def kill_a_worker_at(out: Path, iteration: int, killed: list):
+def kill_a_worker_at(out: Path, iteration: int, killed: list, snapshot: int):
     """SIGKILL one training worker of the run in ``out`` once its rank 0 has logged
-    ``iteration`` (and the snapshot after it has had a moment to reach the keepers)."""
-    return kill_a_worker_when(lambda: _logged(out / "metrics.jsonl", iteration), out, killed,
-                              delay_s=1.0)
+    ``iteration`` and its keepers hold every rank's snapshot of iteration ``snapshot`` or
+    later: the memory restore that follows starts there, however slowly snapshots travel."""
+    return kill_a_worker_when(lambda: (_logged(out / "metrics.jsonl", iteration)
+                                       and _snapshot_held(out, snapshot)), out, killed)
+
+
+def _snapshot_held(out: Path, iteration: int) -> bool:
+    """The keepers of the run in ``out`` hold every rank's snapshot of one iteration at
+    ``iteration`` or later."""
+    import collections
+
+    import ray
+
+    from ray_ppu.recovery.snapshot_keeper import NAMESPACE
+
+    progress = max(Path(out).glob("ray_train/*/progress/*"), key=lambda p: p.stat().st_mtime)
+    world = len(list(progress.glob("rank_*.json")))
+    ranks = collections.defaultdict(set)  # iteration → ranks held
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(
+                f"ray_ppu_keeper:{progress.name}:"):
+            index = ray.get(ray.get_actor(actor["name"], namespace=NAMESPACE).index.remote())
+            for rank, held in index.items():
+                for at in held:
+                    ranks[at].add(rank)
+    return any(at >= iteration and len(held) == world for at, held in ranks.items())
 
 
 @pytest.mark.slow

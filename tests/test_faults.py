@@ -26,7 +26,7 @@ import pytest
 
 # the checkpoint tests' run settings, metrics readers and worker finder (their reference
 # run is the session fixture `uninterrupted`, conftest.py)
-from test_checkpoint import _config, _curve, _rows, _train_workers, launch_while
+from test_checkpoint import _config, _curve, _rows, launch_while, run_workers
 
 REPO = Path(__file__).resolve().parents[1]
 ITERS, GBS = 8, 4
@@ -193,7 +193,7 @@ def test_worker_killed_during_a_save(ray_cluster, uninterrupted, corpus, tmp_pat
     def kill_in_save(stop) -> None:
         while not stop.is_set():
             if partial.is_dir() and not (partial / checkpoint.META_FILE).exists():
-                workers = _train_workers()
+                workers = run_workers(out)
                 if workers:
                     workers[-1].kill()
                     killed.append(not (partial / checkpoint.META_FILE).exists())

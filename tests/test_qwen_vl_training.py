@@ -80,7 +80,7 @@ def run_qwen_vl(root: Path, tiny_qwen_vl_dir) -> dict:
     cfg = _config(tiny_qwen_vl_dir, records, tp2, 2, "checkpoint.memory_interval=4",
                   "cluster.max_failures=1", f"data.index_cache_dir={row_cache}")
     killed: list = []
-    result = _run(cfg, kill_a_worker_at(tp2, 5, killed))
+    result = _run(cfg, kill_a_worker_at(tp2, 5, killed, snapshot=4))
     assert len(killed) == 1, killed
     return {"tp1": reference, "tp2": result}
 

@@ -78,7 +78,7 @@ def run_vl_stage2(root: Path, tiny_llava_dir) -> dict:
                   "parallel.tensor_model_parallel_size=2", f"training.train_iters={STAGE2_ITERS}",
                   "checkpoint.memory_interval=4", "cluster.max_failures=1")
     killed: list = []
-    result = _run(cfg, kill_a_worker_at(out, 5, killed))
+    result = _run(cfg, kill_a_worker_at(out, 5, killed, snapshot=4))
     assert len(killed) == 1, killed
     return {"shapes": shapes, "converted": converted, "stage2": result}
 

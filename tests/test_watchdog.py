@@ -223,7 +223,7 @@ def test_a_rank_frozen_right_after_a_save_restarts_the_group(ray_cluster, corpus
     iteration 4 (the checkpoint complete): no save allowance is left, so the group is failed
     within hang_timeout_s + 15 s (not 30 min) and restarted from memory with the
     uninterrupted run's losses."""
-    from test_checkpoint import _train_workers
+    from test_checkpoint import run_workers
 
     out, timeout = tmp_path_factory.mktemp("hang_after_save"), 10
 
@@ -241,7 +241,7 @@ def test_a_rank_frozen_right_after_a_save_restarts_the_group(ray_cluster, corpus
     def freeze(stop: threading.Event, stopped: dict) -> None:
         while not stop.is_set() and not list(out.glob("ray_train/*/iter_0000004/ray_ppu_meta.json")):
             time.sleep(0.02)
-        workers = _train_workers()
+        workers = run_workers(out)
         while workers and not stop.is_set() and not saved(workers[-1].pid):
             time.sleep(0.005)
         if workers and not stop.is_set():
@@ -262,14 +262,14 @@ def test_a_save_whose_writer_is_stopped_restarts_the_group(ray_cluster, corpus, 
     group restores from memory with the uninterrupted run's losses."""
     import psutil
 
-    from test_checkpoint import _logged, _train_workers
+    from test_checkpoint import _logged, run_workers
 
     out, timeout = tmp_path_factory.mktemp("hang_in_save"), 10
 
     def freeze(stop: threading.Event, stopped: dict) -> None:
         while not stop.is_set() and not _logged(out / "metrics.jsonl", 2):
             time.sleep(0.05)
-        workers = _train_workers()
+        workers = run_workers(out)
         known = {c.pid for w in workers for c in w.children()}  # e.g. the results-queue server
         while not stop.is_set() and not stopped:
             for worker in workers:
@@ -296,7 +296,7 @@ def test_restarts_that_never_reach_an_iteration_stop_the_run(ray_cluster, corpus
     """Under the default unlimited cluster.max_failures, a worker killed in every group
     before its first iteration: after 3 such failures the next group ends the run with one
     error naming them and the last cause, instead of restarting for ever."""
-    from test_checkpoint import _config, _train_workers, launch_while
+    from test_checkpoint import _config, launch_while, run_workers
 
     from ray_ppu.errors import CrashLoop
 
@@ -313,7 +313,7 @@ def test_restarts_that_never_reach_an_iteration_stop_the_run(ray_cluster, corpus
                     info = json.loads(path.read_text())
                 except (OSError, ValueError):
                     continue
-                workers = _train_workers()
+                workers = run_workers(out)
                 if info["state"] == "starting" and info["group_started"] > handled and workers:
                     os.kill(workers[-1].pid, signal.SIGKILL)
                     killed.append(time.time())
@@ -337,7 +337,7 @@ def test_sigstopped_worker_restarts_the_group_exactly(ray_cluster, corpus, unint
     """One worker of a DP 2 run is frozen (SIGSTOP) after iteration 5: within hang_timeout_s
     + 15 s the group is failed, restarted from the in-memory snapshot, and trains the
     uninterrupted run's losses; the restart row names the hang and the frozen rank."""
-    from test_checkpoint import _config, _curve, _logged, _rows, _train_workers, launch_while
+    from test_checkpoint import _config, _curve, _logged, _rows, launch_while, run_workers
 
     out = tmp_path_factory.mktemp("hang")
     timeout = 10
@@ -349,7 +349,7 @@ def test_sigstopped_worker_restarts_the_group_exactly(ray_cluster, corpus, unint
         while not stop.is_set() and not _logged(out / "metrics.jsonl", 5):
             time.sleep(0.05)
         time.sleep(0.5)
-        workers = _train_workers()
+        workers = run_workers(out)
         if workers and not stop.is_set():
             os.kill(workers[-1].pid, signal.SIGSTOP)
             stopped.update(pid=workers[-1].pid, at=time.time())
