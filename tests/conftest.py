@@ -136,7 +136,8 @@ def prelaunched(request, tmp_path_factory):
     take their results from it."""
     from prelaunch import ENABLED, RUNS, Prelaunch, inputs_of
 
-    wanted = [key for key in RUNS if any(key in item.fixturenames for item in request.session.items)]
+    items = request.session.items
+    wanted = [key for key in RUNS if any(key in item.fixturenames for item in items)]
     runs = Prelaunch({key: (tmp_path_factory.mktemp(key),
                             {name: request.getfixturevalue(name) for name in inputs_of(key)})
                       for key in wanted})

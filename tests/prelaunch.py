@@ -157,7 +157,8 @@ def main(spec_path: str) -> int:
         root = Path(run["root"])
         started = time.monotonic()
         try:
-            result = run_function(run["key"])(root, **{k: Path(v) for k, v in run["inputs"].items()})
+            inputs = {name: Path(value) for name, value in run["inputs"].items()}
+            result = run_function(run["key"])(root, **inputs)
             tmp = root / "result.pkl.tmp"
             with open(tmp, "wb") as f:
                 pickle.dump(result, f)

@@ -354,14 +354,13 @@ def run_workers(out: Path) -> list:
     return workers
 
 
-def kill_a_worker_when(ready, out: Path, killed: list, delay_s: float = 0.0):
+def kill_a_worker_when(ready, out: Path, killed: list):
     """A ``launch_while`` action: SIGKILL one training worker of the run in ``out`` as soon
-    as ``ready()`` holds (``delay_s`` later)."""
+    as ``ready()`` holds."""
 
     def action(stop: threading.Event) -> None:
         while not stop.is_set():
             if ready():
-                time.sleep(delay_s)
                 if _kill_one_worker(out, killed):
                     return
             time.sleep(0.01)
@@ -518,19 +517,17 @@ def _snapshot_held(out: Path, iteration: int) -> bool:
 
     import ray
 
-    from ray_ppu.recovery.snapshot_keeper import NAMESPACE
+    from ray_ppu.recovery import snapshot_keeper
 
     progress = max(Path(out).glob("ray_train/*/progress/*"), key=lambda p: p.stat().st_mtime)
-    world = len(list(progress.glob("rank_*.json")))
-    ranks = collections.defaultdict(set)  # iteration → ranks held
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == NAMESPACE and actor["name"].startswith(
-                f"ray_ppu_keeper:{progress.name}:"):
-            index = ray.get(ray.get_actor(actor["name"], namespace=NAMESPACE).index.remote())
-            for rank, held in index.items():
-                for at in held:
-                    ranks[at].add(rank)
-    return any(at >= iteration and len(held) == world for at, held in ranks.items())
+    ranks = [json.loads(f.read_text()) for f in progress.glob("rank_*.json")]
+    held = collections.defaultdict(set)  # iteration → ranks held
+    nodes = sorted({r["node"] for r in ranks})
+    for keeper in snapshot_keeper.keepers(progress.name, nodes).values():
+        for rank, snapshots in ray.get(keeper.index.remote()).items():
+            for at in snapshots:
+                held[at].add(rank)
+    return any(at >= iteration and len(got) == len(ranks) for at, got in held.items())
 
 
 @pytest.mark.slow
