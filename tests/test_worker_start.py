@@ -25,8 +25,10 @@ import ray_ppu
 import megatron.core.timers as timers
 from megatron.core import jit
 from megatron.core.fusions.fused_bias_gelu import bias_gelu
-declined = "wandb" not in sys.modules and timers.wandb is None
+declined = ("wandb" not in sys.modules and timers.wandb is None
+            and "torch.utils.tensorboard" not in sys.modules and timers.SummaryWriter is None)
 import wandb  # ours still can (the W&B tracker)
+from torch.utils.tensorboard import SummaryWriter  # (the TensorBoard tracker)
 deferred = not any(m in sys.modules for m in ("torch._dynamo", "torch._inductor"))
 
 import torch
@@ -35,19 +37,21 @@ def gelu_plus_one(x):
     return torch.nn.functional.gelu(x) + 1
 x = torch.linspace(-3, 3, 7)
 same = torch.equal(gelu_plus_one(x), torch.nn.functional.gelu(x) + 1)
-print(json.dumps({"declined": declined, "ours": bool(wandb.__version__),
+print(json.dumps({"declined": declined,
+                  "ours": bool(wandb.__version__) and SummaryWriter.__name__ == "SummaryWriter",
                   "deferred": deferred, "fusion_named": bias_gelu.__name__, "same": same,
                   "compiled_when_called": "torch._dynamo" in sys.modules}))
 """
 
 
-def test_megatron_core_loads_without_wandb_or_torch_compile_and_both_load_when_used():
-    """Megatron-Core's own W&B writers are unused (ray_ppu's tracker logs from the driver): its
-    module-level ``import wandb`` (0.64 s of CPU a process) is declined, ours is not. Its
-    ``jit_fuser`` (``torch.compile``) decorates its fusions at import, which imports TorchDynamo
-    and Inductor (1.3 s): ray_ppu.lean_imports makes each compile on its function's first call,
-    so neither is imported by ``import megatron.core``; a decorated function, called, is
-    compiled and gives the eager values."""
+def test_megatron_core_loads_without_wandb_tensorboard_or_torch_compile_until_used():
+    """Megatron-Core's own W&B and TensorBoard writers are unused (ray_ppu's trackers log from
+    the driver): its module-level imports of wandb and torch.utils.tensorboard (0.64 s and
+    0.15 s of CPU a process) are declined, ours are not. Its ``jit_fuser`` (torch.compile)
+    decorates its fusions at import, which imports TorchDynamo and Inductor (1.3 s):
+    ray_ppu.lean_imports makes each compile on its function's first call, so neither is
+    imported by ``import megatron.core``; a decorated function, called, is compiled and gives
+    the eager values."""
     proc = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
