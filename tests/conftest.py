@@ -129,6 +129,14 @@ def _rank_jobs_end():
 sys.path.insert(0, str(REPO))
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """tests/prelaunch.py ``LAST``'s modules after every other (a stable sort: the order
+    within each stays)."""
+    from prelaunch import LAST
+
+    items.sort(key=lambda item: item.path.name in LAST)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prelaunched(request, tmp_path_factory):
     """The longest Ray Train runs the collected tests need (tests/prelaunch.py ``RUNS``),
@@ -352,9 +360,8 @@ def tiny_qwen_vl_dir(tmp_path_factory, qwen2_tokenizer_dir):
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(ray_cluster, corpus, tmp_path_factory):
+def uninterrupted(prelaunched):
     """The checkpoint and fault tests' reference run (DP 2, saving every 4, nothing going
-    wrong), which the training tests also compare with DP 1: one run for all of them."""
-    from test_checkpoint import uninterrupted_run
-
-    return uninterrupted_run(corpus, tmp_path_factory.mktemp("uninterrupted"))
+    wrong), which the training tests also compare with DP 1: one run for all of them
+    (test_checkpoint ``run_uninterrupted``, prelaunched)."""
+    return prelaunched.result("uninterrupted")

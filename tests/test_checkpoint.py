@@ -2,8 +2,10 @@
 
 First, without Ray, the rule that picks the starting checkpoint and the check that the data
 streams and the workers agree on it (files on disk only). Then four real training runs,
-shared by the tests through module-scoped fixtures (each costs tens of seconds), all 8
-iterations of the tiny model as in test_training.py, saving every 4:
+shared by the tests through fixtures (each costs tens of seconds), all 8 iterations of the
+tiny model as in test_training.py, saving every 4. The reference is a session fixture
+(conftest); the other three, one after another, are prelaunched with the session
+(tests/prelaunch.py, ``run_checkpoint_runs``), and this module runs after all the others:
 
 * ``uninterrupted``: DP 2, start to end: the reference losses and checkpoints.
 * ``interrupted``: the same run, snapshotting in memory every iteration, interrupted twice.
@@ -79,6 +81,9 @@ def _writer_queue_child(conn) -> None:
 
     from ray_ppu.checkpoint.saver import _start_writer_results_queue
 
+    # a rank starts without one; this fork of the test process inherits the test process's
+    # queue if an earlier test saved a checkpoint here
+    filesystem_async._results_queue = None
     _start_writer_results_queue()
     queue = filesystem_async._get_write_results_queue()  # Megatron's own accessor
     result = {0: [WriteResult(MetadataIndex("w"), 8, _StorageInfo("__0_0.distcp", 0, 8))]}
@@ -256,9 +261,11 @@ def _launch(cfg, plan):
         logger.setLevel(level)
 
 
-def uninterrupted_run(corpus, out) -> dict:
+def run_uninterrupted(root: Path, corpus) -> dict:
     """The reference: 8 iterations on 2 workers (DP 2), saving every 4, nothing going wrong.
-    Meanwhile the node's Prometheus endpoint is scraped for the run's exported metrics."""
+    Meanwhile the node's Prometheus endpoint is scraped for the run's exported metrics.
+    Prelaunched first (tests/prelaunch.py): the session fixture ``uninterrupted`` (conftest)."""
+    corpus, out = str(corpus), root
     # in-memory snapshots at the automatic interval: the reference also shows that taking
     # them changes nothing (the restores compare with it) and exercises the choice
     # a declared peak (the PPU's 123 TFLOP/s): test_monitoring checks MFU against it; without
@@ -275,8 +282,8 @@ def uninterrupted_run(corpus, out) -> dict:
 
 
 def _dataset_managers() -> int:
-    """Ray Train DatasetManager actors this test process's Ray job has started (dead ones
-    included; not a prelaunched run's, another job)."""
+    """Ray Train DatasetManager actors this process's Ray job has started (dead ones
+    included; not another driver's, as the tests' beside the prelaunched runs)."""
     import ray
     from ray.util.state import list_actors
 
@@ -425,9 +432,9 @@ def interrupt_twice(metrics_file: Path, record_file: Path, killed: list, seen: d
     return action
 
 
-@pytest.fixture(scope="module")
-def interrupted(ray_cluster, corpus, tmp_path_factory):
-    out = tmp_path_factory.mktemp("interrupted")
+def interrupted_run(corpus, out: Path) -> dict:
+    """The run interrupted twice (the module docstring): a memory restore, then a disk one."""
+    out.mkdir(parents=True)
     # MLflow beside it, fed as pretrain.py feeds it (a local sqlite store): one tracker run
     # through both restarts (tests/test_trackers.py has the server, its outage and a resume)
     cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=2",
@@ -446,6 +453,27 @@ def interrupted(ray_cluster, corpus, tmp_path_factory):
     record = json.loads(record_file.read_text())
     return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows), "record": record,
             "memory_record": seen["record"], "tracked": tracked}
+
+
+def run_checkpoint_runs(root: Path, corpus) -> dict:
+    """The module's three runs in turn, each from the one before's checkpoints: ``interrupted``,
+    then ``resharded`` from its checkpoints, then ``finetuned`` from the resharded run's final
+    one. Prelaunched (tests/prelaunch.py); the module runs last (conftest), so they have the
+    session to finish beside the other modules."""
+    interrupted = interrupted_run(str(corpus), root / "interrupted")
+    resharded = resharded_run(interrupted, str(corpus), root / "pool", root / "resharded")
+    finetuned = finetuned_run(resharded, str(corpus), root / "finetuned")
+    return {"interrupted": interrupted, "resharded": resharded, "finetuned": finetuned}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(prelaunched):
+    return prelaunched.result("checkpoint_runs")
+
+
+@pytest.fixture(scope="module")
+def interrupted(checkpoint_runs):
+    return checkpoint_runs["interrupted"]
 
 
 @pytest.mark.slow
@@ -623,16 +651,14 @@ def _hardlink_tree(src: Path, dst: Path, drop: tuple = ()) -> None:
             os.link(f, dst / f.name)
 
 
-@pytest.fixture(scope="module")
-def resharded(interrupted, corpus, tmp_path_factory):
+def resharded_run(interrupted: dict, corpus, pool: Path, out: Path) -> dict:
     """DP 1 from a directory of checkpoints: the DP-2 one at iteration 4, and one at 8 whose
     save "died" before its meta file (and one of its shard files) was written."""
     source = checkpoint.save_root(interrupted["cfg"])
-    pool = tmp_path_factory.mktemp("pool")
     _hardlink_tree(source / "iter_0000004", pool / "iter_0000004")
     _hardlink_tree(source / "iter_0000008", pool / "iter_0000008",
                    drop=(checkpoint.META_FILE, "__1_0.distcp"))
-    out = tmp_path_factory.mktemp("resharded")
+    out.mkdir(parents=True)
     # saving in the background (Megatron's async writer): the fine-tune test loads the result
     cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={pool}",
                         "checkpoint.async_save=true")
@@ -640,6 +666,11 @@ def resharded(interrupted, corpus, tmp_path_factory):
     rows = _rows(out)
     return {"cfg": cfg, "pool": pool, "final": final, "rows": rows, "curve": _curve(rows),
             "messages": messages}
+
+
+@pytest.fixture(scope="module")
+def resharded(checkpoint_runs):
+    return checkpoint_runs["resharded"]
 
 
 @pytest.mark.slow
@@ -667,15 +698,20 @@ def test_incomplete_checkpoint_is_ignored(resharded):
                for m in messages), messages
 
 
-@pytest.fixture(scope="module")
-def finetuned(resharded, corpus, tmp_path_factory):
-    # the resharded run's final checkpoint: written in the background, at DP 1
+def finetuned_run(resharded: dict, corpus, out: Path) -> dict:
+    """``checkpoint.finetune=true`` from the resharded run's final checkpoint (written in the
+    background, at DP 1)."""
     saved = checkpoint.save_root(resharded["cfg"]) / "iter_0000008"
-    out = tmp_path_factory.mktemp("finetuned")
+    out.mkdir(parents=True)
     cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={saved}",
                         "checkpoint.finetune=true", "training.train_iters=2")
     final, _ = _launch(cfg, plan)
     return {"cfg": cfg, "saved": saved, "final": final, "rows": _rows(out)}
+
+
+@pytest.fixture(scope="module")
+def finetuned(checkpoint_runs):
+    return checkpoint_runs["finetuned"]
 
 
 @pytest.mark.slow

@@ -87,14 +87,32 @@ def train_with_torchrun(corpus, out, nproc, *extra, variants=None):
     return losses(out)
 
 
-@pytest.fixture(scope="module")
-def references(corpus, tmp_path_factory):
-    """One process under plain torchrun, one launch: the tiny model and tiny-moe (4 experts,
-    top 2), each at TP 1, PP 1, DP 1 (EP 1), four microbatches per iteration."""
-    out = tmp_path_factory.mktemp("tp1dp1")
-    curves = train_with_torchrun(corpus, out, 1, variants={
+def run_training(root: Path, corpus) -> dict:
+    """The module's two runs, prelaunched (tests/prelaunch.py): ``references``, one process
+    under plain torchrun, one launch: the tiny model and tiny-moe (4 experts, top 2), each at
+    TP 1, PP 1, DP 1 (EP 1), four microbatches per iteration; and ``moe``, tiny-moe under Ray
+    Train (test_moe_at_tp2_ep2_on_ray_trains_like_one_process)."""
+    corpus = str(corpus)
+    curves = train_with_torchrun(corpus, root / "tp1dp1", 1, variants={
         "dense": [], "moe": ["model.preset=tiny-moe"]})
-    return curves, out
+    references = {"curves": curves, "moe_rows": moe_rows(root / "tp1dp1" / "moe")}
+    out = root / "moe_tp2_ep2"
+    curve = train_on_ray(corpus, out, "model.preset=tiny-moe", "cluster.num_workers=2",
+                         "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                         "parallel.expert_model_parallel_size=2",
+                         "parallel.expert_tensor_parallel_size=1",
+                         "checkpoint.enabled=false")  # nothing reads its checkpoint
+    return {"references": references, "moe": {"curve": curve, "rows": moe_rows(out)}}
+
+
+@pytest.fixture(scope="module")
+def training_runs(prelaunched):
+    return prelaunched.result("training_runs")
+
+
+@pytest.fixture(scope="module")
+def references(training_runs):
+    return training_runs["references"]
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +120,7 @@ def baseline(references):
     """The dense reference every Ray Train run here is held to (so the Ray runs also show that
     torchrun and Ray Train train alike; torchrun at TP 2: tests/test_options.py's one torchrun
     launch)."""
-    return references[0]["dense"]
+    return references["curves"]["dense"]
 
 
 def assert_falls(curve):
@@ -137,26 +155,20 @@ def moe_rows(out) -> list[dict]:
 @pytest.fixture(scope="module")
 def moe_baseline(references):
     """tiny-moe in one process under plain torchrun: EP 1, TP 1, DP 1."""
-    curves, out = references
-    return curves["moe"], moe_rows(out / "moe")
+    return references["curves"]["moe"], references["moe_rows"]
 
 
-def test_moe_at_tp2_ep2_on_ray_trains_like_one_process(moe_baseline, corpus, tmp_path):
+def test_moe_at_tp2_ep2_on_ray_trains_like_one_process(moe_baseline, training_runs):
     """Ray Train, 2 workers: attention at TP 2 with sequence parallelism, the 4 experts split
     by EP 2 (2 whole experts a rank, ETP 1), tokens exchanged by all-to-all. Same samples,
     same initial weights (experts are drawn per global expert): the losses are the
     one-process run's. Tolerance 2e-4, as for the dense layouts: only summation order
     differs (measured: ≤ 1e-6 after 8 iterations); a token routed to another expert by a
     tie would move a loss by far more, and the routing statistics would differ."""
-    moe = train_on_ray(corpus, tmp_path, "model.preset=tiny-moe", "cluster.num_workers=2",
-                       "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-                       "parallel.expert_model_parallel_size=2",
-                       "parallel.expert_tensor_parallel_size=1",
-                       "checkpoint.enabled=false")  # nothing reads its checkpoint
+    moe, rows = training_runs["moe"]["curve"], training_runs["moe"]["rows"]
     reference, reference_rows = moe_baseline
     assert_falls(moe)
     assert moe == pytest.approx(reference, abs=2e-4)
-    rows = moe_rows(tmp_path)
     assert [r["iteration"] for r in rows] == list(range(1, ITERS + 1))
     for ours, theirs in zip(rows, reference_rows):
         # every rank's routers counted (tokens per expert summed over the group): the same
