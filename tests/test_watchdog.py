@@ -299,26 +299,38 @@ def test_restarts_that_never_reach_an_iteration_stop_the_run(ray_cluster, corpus
     from test_checkpoint import _config, launch_while, run_workers
 
     from ray_ppu.errors import CrashLoop
+    from ray_ppu.monitor import restarts
 
     out = tmp_path_factory.mktemp("crash_loop")
     cfg, plan = _config(corpus, out, "cluster.num_workers=2", "checkpoint.memory_interval=0")
     assert cfg.cluster.max_failures == -1
     killed: list = []
 
+    def last_failure() -> float:
+        """When the controller detected the last kill's failure; 0 until it has recorded it
+        (and before the first kill)."""
+        tokens = [d.name for d in out.glob("ray_train/*/progress/*")]  # this launch's
+        history = restarts.failures(checkpoint.save_root(cfg), tokens[0]) if tokens else []
+        return history[-1].detected_at if len(history) == len(killed) and history else 0.0
+
     def kill_at_every_start(stop: threading.Event) -> None:
-        handled = 0.0  # groups that started before this were killed already
+        # A group's ranks write their first progress at different times (a rank of the killed
+        # group may start after the kill), so a new group is one whose rank started after the
+        # controller detected and recorded the last kill's failure.
         while not stop.is_set() and len(killed) < 3:  # the 4th group stops by itself
-            for path in out.glob("ray_train/*/progress/*/rank_*.json"):  # a group starting
-                try:
-                    info = json.loads(path.read_text())
-                except (OSError, ValueError):
-                    continue
-                workers = run_workers(out)
-                if info["state"] == "starting" and info["group_started"] > handled and workers:
-                    os.kill(workers[-1].pid, signal.SIGKILL)
-                    killed.append(time.time())
-                    handled = time.time()
-                    break
+            after = last_failure()
+            if after or not killed:
+                alive = {w.pid: w for w in run_workers(out)}
+                for path in out.glob("ray_train/*/progress/*/rank_*.json"):  # a group starting
+                    try:
+                        info = json.loads(path.read_text())
+                    except (OSError, ValueError):
+                        continue
+                    if (info["state"] == "starting" and info["group_started"] > after
+                            and info["pid"] in alive):
+                        alive[info["pid"]].kill()
+                        killed.append(time.time())
+                        break
             time.sleep(0.02)
 
     with pytest.raises(CrashLoop) as err:
