@@ -353,8 +353,9 @@ def run_workers(out: Path) -> list:
         try:
             proc = psutil.Process(json.loads(path.read_text())["pid"])
             # a Ray worker still (its title names the task it runs: "ray::RayTrainWorker…",
-            # "ray::execute…"), not a pid used again
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.cmdline()[0].startswith("ray::"):
+            # "ray::execute…"), not a pid used again; an exiting process has no command line
+            title = proc.cmdline()[:1]
+            if proc.status() != psutil.STATUS_ZOMBIE and title and title[0].startswith("ray::"):
                 workers.append(proc)
         except (OSError, ValueError, KeyError, psutil.Error):  # being written, or gone
             continue
