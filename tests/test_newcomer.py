@@ -88,9 +88,13 @@ def test_an_unreachable_ray_address_and_a_ray_that_cannot_start_are_one_line(tmp
     """RAY_ADDRESS naming no cluster: the dry run and the launch stop after
     cluster.connect_timeout_s with the address (they hung for minutes on Ray's GCS retries);
     a local Ray that cannot start: Ray's reason in one line (it was Ray's traceback)."""
-    from ray_ppu.util.net import free_port
+    import socket
 
-    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    # a port this test holds, bound but not listening: a connection to it is refused, and no
+    # other process (a gloo or Ray listener of a run beside the tests) can take it meanwhile
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{holder.getsockname()[1]}"
     args = [f"output.dir={tmp_path / 'out'}", "cluster.connect_timeout_s=2"]
     (tmp_path / "a_file").write_text("")
     script = str(REPO / "entrypoints" / "pretrain.py")
@@ -101,9 +105,12 @@ def test_an_unreachable_ray_address_and_a_ray_that_cannot_start_are_one_line(tmp
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **extra})
         for name, extra in env.items()}
     done = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=180)
-        done[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    try:
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=180)
+            done[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    finally:
+        holder.close()
     for proc in (done["dry"], done["launch"]):
         assert proc.returncode == 2, proc.stderr[-2000:]
         (line,) = [l for l in proc.stderr.splitlines() if "cannot reach" in l]
