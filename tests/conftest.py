@@ -129,14 +129,6 @@ def _rank_jobs_end():
 sys.path.insert(0, str(REPO))
 
 
-def pytest_collection_modifyitems(session, config, items):
-    """tests/prelaunch.py ``LAST``'s modules after every other (a stable sort: the order
-    within each stays)."""
-    from prelaunch import LAST
-
-    items.sort(key=lambda item: item.path.name in LAST)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def prelaunched(request, tmp_path_factory):
     """The longest Ray Train runs the collected tests need (tests/prelaunch.py ``RUNS``),

@@ -3,7 +3,7 @@ tests (``python tests/prelaunch.py SPEC``): they train while the modules before 
 
 Why: on 2 cores the suite keeps both cores busy only ~70 % of its time. Most tests are one
 Python process that leaves the other core idle, while these runs (the checkpoint tests'
-reference and their runs killed and restored, LoRA, Qwen2.5-VL and LLaVA under Ray Train)
+reference, test_training's, and LoRA, Qwen2.5-VL and LLaVA killed and restored under Ray Train)
 keep both busy for 20 to 75 s each when their module reaches them. Started at once, they fill
 the idle core instead.
 
@@ -45,12 +45,7 @@ RUNS = {
     "qwen_vl_runs": "test_qwen_vl_training:run_qwen_vl",
     "training_runs": "test_training:run_training",
     "vl_stage2_run": "test_vl_run:run_vl_stage2",
-    "checkpoint_runs": "test_checkpoint:run_checkpoint_runs",
 }
-# Modules the suite runs after all the others (conftest): test_checkpoint comes second by
-# name, ~25 s into the session, long before its runs (~75 s alone) could be done beside the
-# tests; last, they train in the second half, when the tests leave a core idle most often.
-LAST = ("test_checkpoint.py",)
 # RAY_PPU_TESTS_PRELAUNCH=0: each run in the test process when its module reaches it (a
 # debugger, or a failure to see without a second driver)
 ENABLED = os.environ.get("RAY_PPU_TESTS_PRELAUNCH", "1") != "0"

@@ -4,8 +4,7 @@ First, without Ray, the rule that picks the starting checkpoint and the check th
 streams and the workers agree on it (files on disk only). Then four real training runs,
 shared by the tests through fixtures (each costs tens of seconds), all 8 iterations of the
 tiny model as in test_training.py, saving every 4. The reference is a session fixture
-(conftest); the other three, one after another, are prelaunched with the session
-(tests/prelaunch.py, ``run_checkpoint_runs``), and this module runs after all the others:
+(conftest, prelaunched); the other three run one after another (``run_checkpoint_runs``):
 
 * ``uninterrupted``: DP 2, start to end: the reference losses and checkpoints.
 * ``interrupted``: the same run, snapshotting in memory every iteration, interrupted twice.
@@ -459,8 +458,7 @@ def interrupted_run(corpus, out: Path) -> dict:
 def run_checkpoint_runs(root: Path, corpus) -> dict:
     """The module's three runs in turn, each from the one before's checkpoints: ``interrupted``,
     then ``resharded`` from its checkpoints, then ``finetuned`` from the resharded run's final
-    one. Prelaunched (tests/prelaunch.py); the module runs last (conftest), so they have the
-    session to finish beside the other modules."""
+    one."""
     interrupted = interrupted_run(str(corpus), root / "interrupted")
     resharded = resharded_run(interrupted, str(corpus), root / "pool", root / "resharded")
     finetuned = finetuned_run(resharded, str(corpus), root / "finetuned")
@@ -468,8 +466,8 @@ def run_checkpoint_runs(root: Path, corpus) -> dict:
 
 
 @pytest.fixture(scope="module")
-def checkpoint_runs(prelaunched):
-    return prelaunched.result("checkpoint_runs")
+def checkpoint_runs(ray_cluster, corpus, tmp_path_factory):
+    return run_checkpoint_runs(tmp_path_factory.mktemp("checkpoint_runs"), corpus)
 
 
 @pytest.fixture(scope="module")
