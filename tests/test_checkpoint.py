@@ -4,7 +4,7 @@ First, without Ray, the rule that picks the starting checkpoint and the check th
 streams and the workers agree on it (files on disk only). Then four real training runs,
 shared by the tests through fixtures (each costs tens of seconds), all 8 iterations of the
 tiny model as in test_training.py, saving every 4. The reference is a session fixture
-(conftest, prelaunched); the other three run one after another (``run_checkpoint_runs``):
+(conftest, prelaunched); the other three are this module's, each run when a test first needs it:
 
 * ``uninterrupted``: DP 2, start to end: the reference losses and checkpoints.
 * ``interrupted``: the same run, snapshotting in memory every iteration, interrupted twice.
@@ -18,7 +18,8 @@ tiny model as in test_training.py, saving every 4. The reference is a session fi
   schedule, as Megatron does).
 * ``resharded``: DP 1, started with ``checkpoint.load`` from a directory holding the
   interrupted run's DP-2 checkpoint at iteration 4 and a newer, incomplete one (no meta file).
-* ``finetuned``: ``checkpoint.finetune=true`` from the uninterrupted run's final checkpoint.
+* ``finetuned``: ``checkpoint.finetune=true`` from the resharded run's final checkpoint
+  (saved in the background, at DP 1).
 
 The finetune test's reference is measured apart from the runs: in the test process, without
 Ray, each checkpoint loaded exactly as a resume loads it and the model's loss on the first
@@ -432,9 +433,10 @@ def interrupt_twice(metrics_file: Path, record_file: Path, killed: list, seen: d
     return action
 
 
-def interrupted_run(corpus, out: Path) -> dict:
+@pytest.fixture(scope="module")
+def interrupted(ray_cluster, corpus, tmp_path_factory):
     """The run interrupted twice (the module docstring): a memory restore, then a disk one."""
-    out.mkdir(parents=True)
+    out = tmp_path_factory.mktemp("interrupted")
     # MLflow beside it, fed as pretrain.py feeds it (a local sqlite store): one tracker run
     # through both restarts (tests/test_trackers.py has the server, its outage and a resume)
     cfg, plan = _config(corpus, out, "cluster.num_workers=2", "cluster.max_failures=2",
@@ -453,26 +455,6 @@ def interrupted_run(corpus, out: Path) -> dict:
     record = json.loads(record_file.read_text())
     return {"cfg": cfg, "final": final, "rows": rows, "curve": _curve(rows), "record": record,
             "memory_record": seen["record"], "tracked": tracked}
-
-
-def run_checkpoint_runs(root: Path, corpus) -> dict:
-    """The module's three runs in turn, each from the one before's checkpoints: ``interrupted``,
-    then ``resharded`` from its checkpoints, then ``finetuned`` from the resharded run's final
-    one."""
-    interrupted = interrupted_run(str(corpus), root / "interrupted")
-    resharded = resharded_run(interrupted, str(corpus), root / "pool", root / "resharded")
-    finetuned = finetuned_run(resharded, str(corpus), root / "finetuned")
-    return {"interrupted": interrupted, "resharded": resharded, "finetuned": finetuned}
-
-
-@pytest.fixture(scope="module")
-def checkpoint_runs(ray_cluster, corpus, tmp_path_factory):
-    return run_checkpoint_runs(tmp_path_factory.mktemp("checkpoint_runs"), corpus)
-
-
-@pytest.fixture(scope="module")
-def interrupted(checkpoint_runs):
-    return checkpoint_runs["interrupted"]
 
 
 @pytest.mark.slow
@@ -650,14 +632,16 @@ def _hardlink_tree(src: Path, dst: Path, drop: tuple = ()) -> None:
             os.link(f, dst / f.name)
 
 
-def resharded_run(interrupted: dict, corpus, pool: Path, out: Path) -> dict:
+@pytest.fixture(scope="module")
+def resharded(interrupted, corpus, tmp_path_factory):
     """DP 1 from a directory of checkpoints: the DP-2 one at iteration 4, and one at 8 whose
     save "died" before its meta file (and one of its shard files) was written."""
     source = checkpoint.save_root(interrupted["cfg"])
+    pool = tmp_path_factory.mktemp("pool")
     _hardlink_tree(source / "iter_0000004", pool / "iter_0000004")
     _hardlink_tree(source / "iter_0000008", pool / "iter_0000008",
                    drop=(checkpoint.META_FILE, "__1_0.distcp"))
-    out.mkdir(parents=True)
+    out = tmp_path_factory.mktemp("resharded")
     # saving in the background (Megatron's async writer): the fine-tune test loads the result
     cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={pool}",
                         "checkpoint.async_save=true")
@@ -665,11 +649,6 @@ def resharded_run(interrupted: dict, corpus, pool: Path, out: Path) -> dict:
     rows = _rows(out)
     return {"cfg": cfg, "pool": pool, "final": final, "rows": rows, "curve": _curve(rows),
             "messages": messages}
-
-
-@pytest.fixture(scope="module")
-def resharded(checkpoint_runs):
-    return checkpoint_runs["resharded"]
 
 
 @pytest.mark.slow
@@ -697,20 +676,16 @@ def test_incomplete_checkpoint_is_ignored(resharded):
                for m in messages), messages
 
 
-def finetuned_run(resharded: dict, corpus, out: Path) -> dict:
+@pytest.fixture(scope="module")
+def finetuned(resharded, corpus, tmp_path_factory):
     """``checkpoint.finetune=true`` from the resharded run's final checkpoint (written in the
     background, at DP 1)."""
     saved = checkpoint.save_root(resharded["cfg"]) / "iter_0000008"
-    out.mkdir(parents=True)
+    out = tmp_path_factory.mktemp("finetuned")
     cfg, plan = _config(corpus, out, "cluster.num_workers=1", f"checkpoint.load={saved}",
                         "checkpoint.finetune=true", "training.train_iters=2")
     final, _ = _launch(cfg, plan)
     return {"cfg": cfg, "saved": saved, "final": final, "rows": _rows(out)}
-
-
-@pytest.fixture(scope="module")
-def finetuned(checkpoint_runs):
-    return checkpoint_runs["finetuned"]
 
 
 @pytest.mark.slow
