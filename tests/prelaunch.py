@@ -116,8 +116,16 @@ class Prelaunch:
 def _yield_to_the_tests(job_id: str) -> None:
     """Every second, put every thread of this helper's Ray processes (its job's actors: the
     runs' controllers, workers, readers, keepers) under SCHED_IDLE: they run when the tests
-    leave a core idle, never instead of them. Threads and processes they start inherit it.
-    Not the named actors of other namespaces: Ray Data's, shared with the tests' pipelines."""
+    leave a core idle, never instead of them. Threads they start later inherit it. Not the
+    named actors of other namespaces: Ray Data's, shared with the tests' pipelines.
+
+    A listed pid is acted on only once it is checked to be that actor's process
+    (:func:`_actor_process`): on 2 cores the suite goes through Linux's 32,768 pids every
+    minute or two, so an actor that died since the state API answered may have left its pid
+    to any new process or thread. Unchecked, one such pid put the whole process it fell to
+    under SCHED_IDLE: a test's worker, or the session's GCS or raylet, starved behind both
+    busy cores.
+    """
     import psutil
     from ray.util.state import list_actors
 
@@ -125,21 +133,47 @@ def _yield_to_the_tests(job_id: str) -> None:
 
     done: set[int] = set()
     while True:
+        asked = time.time()
         try:
-            pids = {a["pid"] for a in list_actors(filters=[("job_id", "=", job_id),
-                                                           ("state", "=", "ALIVE")], limit=1000)
-                    if not a["name"] or a["ray_namespace"] == NAMESPACE}
+            actors = [a for a in list_actors(filters=[("job_id", "=", job_id),
+                                                      ("state", "=", "ALIVE")], limit=1000)
+                      if not a["name"] or a["ray_namespace"] == NAMESPACE]
         except Exception:  # noqa: BLE001 - the state API busy: the next second
-            pids = set()
-        for pid in pids:
+            actors = []
+        for actor in actors:
+            proc = _actor_process(actor, asked)
+            if proc is None:
+                continue
             try:
-                for thread in psutil.Process(pid).threads():
+                for thread in proc.threads():
                     if thread.id not in done:
                         os.sched_setscheduler(thread.id, os.SCHED_IDLE, os.sched_param(0))
                         done.add(thread.id)
-            except (OSError, psutil.Error):  # gone, or on another node
+            except (OSError, psutil.Error):  # gone meanwhile
                 continue
         time.sleep(1.0)
+
+
+def _actor_process(actor: dict, asked: float):
+    """The process of ``actor`` (a row of the state API, asked at ``asked``), or None where its
+    pid is now another's: a process, not one thread of a process (a pid may come back as a
+    thread id, and psutil reads a thread id as its whole process), started before the state
+    API was asked, its title a Ray worker's (``ray::RayTrainWorker``, ``ray::execute…``)."""
+    import psutil
+
+    pid = actor.get("pid")
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            leader = next(int(line.split()[1]) for line in status if line.startswith("Tgid:"))
+        proc = psutil.Process(pid)
+        title = proc.cmdline()[:1]
+        # Linux keeps boot time in whole seconds: a start time may read up to 1 s early
+        if (leader == pid and proc.create_time() < asked - 1.0 and title
+                and title[0].startswith("ray::")):
+            return proc
+    except (OSError, ValueError, StopIteration, psutil.Error):  # gone, or on another node
+        pass
+    return None
 
 
 def main(spec_path: str) -> int:

@@ -110,20 +110,23 @@ def test_the_writer_results_queue_is_forked_ready_and_dies_with_its_rank():
         assert ours.poll(60), "the rank process did not report"
         round_trip, servers = ours.recv()
         assert round_trip and len(servers) == 1, servers
+        # held while the rank holds it alive: is_running() is then about this process, not
+        # whichever takes its pid next (the suite goes through the 32,768 pids in minutes)
+        server = psutil.Process(servers[0])
     finally:
         os.kill(rank.pid, signal.SIGKILL)
         rank.join()
     deadline = time.monotonic() + 10
-    while _running(servers[0]) and time.monotonic() < deadline:
+    while _running(server) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _running(servers[0]), "the writer queue's server outlived its rank"
+    assert not _running(server), "the writer queue's server outlived its rank"
 
 
-def _running(pid: int) -> bool:
+def _running(proc) -> bool:
     import psutil
 
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
@@ -351,11 +354,12 @@ def run_workers(out: Path) -> list:
     workers = []
     for path in sorted(Path(out).glob("ray_train/*/progress/*/rank_*.json")):
         try:
-            proc = psutil.Process(json.loads(path.read_text())["pid"])
-            # a Ray worker still (its title names the task it runs: "ray::RayTrainWorker…",
-            # "ray::execute…"), not a pid used again; an exiting process has no command line
-            title = proc.cmdline()[:1]
-            if proc.status() != psutil.STATUS_ZOMBIE and title and title[0].startswith("ray::"):
+            rank = json.loads(path.read_text())
+            proc = psutil.Process(rank["pid"])
+            # the rank's process still, not its pid used again (the suite goes through the
+            # 32,768 pids in minutes), and not exiting (no command line then)
+            if (abs(proc.create_time() - rank["pid_started"]) < 0.01
+                    and proc.status() != psutil.STATUS_ZOMBIE and proc.cmdline()):
                 workers.append(proc)
         except (OSError, ValueError, KeyError, psutil.Error):  # being written, or gone
             continue

@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 
 from ray_ppu import checkpoint
@@ -140,6 +141,45 @@ def test_beacon_writes_progress_beats_and_dumps_stacks_on_sigusr1(tmp_path):
         beacon.close()
 
 
+def test_a_pid_that_is_no_longer_the_ranks_process_is_not_signalled(tmp_path):
+    """The watchdog ends a stalled rank by the pid and start time its progress file records:
+    a process that holds that pid but started at another time (the rank died unseen and its
+    pid went to a new process) gets no signal; the rank's own process and its children are
+    killed."""
+    import subprocess
+    import sys
+
+    stacks = tmp_path / "stacks_0.txt"
+    # a rank as Beacon arms it (its stacks on SIGUSR1), with a child process (a save's writer)
+    rank = subprocess.Popen([sys.executable, "-c", f"""
+import faulthandler, signal, subprocess, sys, time
+faulthandler.register(signal.SIGUSR1, file=open({str(stacks)!r}, "w"), all_threads=True)
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+time.sleep(60)
+"""])
+    family = []
+    try:
+        proc = psutil.Process(rank.pid)
+        while not proc.children():
+            time.sleep(0.05)
+        child = proc.children()[0]
+        family = [proc, child]
+        said = watchdog._end_process(rank.pid, proc.create_time() - 5.0, str(stacks))
+        assert said == "(none: its process had already ended)"
+        assert rank.poll() is None and child.is_running(), "another process was signalled"
+        said = watchdog._end_process(rank.pid, proc.create_time(), str(stacks))
+        assert "time.sleep" in said or "<string>" in said, said  # its stacks, then the kill
+        assert rank.wait(timeout=10) == -signal.SIGKILL
+        child.wait(timeout=10)
+    finally:
+        for p in family or [psutil.Process(rank.pid)]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        rank.wait()
+
+
 def test_a_progress_write_that_fails_keeps_the_beat_and_is_retried(tmp_path, caplog):
     """A full checkpoint disk fails the progress write: the rank and its heartbeat go on, the
     failure is logged once, and the pending progress reaches the file once it can."""
@@ -169,16 +209,20 @@ def test_a_progress_write_that_fails_keeps_the_beat_and_is_retried(tmp_path, cap
 
 
 def _stop_process(stopped: dict, proc) -> None:
-    os.kill(proc.pid, signal.SIGSTOP)
-    stopped.update(pid=proc.pid, at=time.time())
+    """SIGSTOP ``proc`` (a psutil.Process): kept in ``stopped`` with the time."""
+    proc.send_signal(signal.SIGSTOP)
+    stopped.update(proc=proc, at=time.time())
 
 
 def _release(stopped: dict) -> None:
-    """Never leave a stopped process behind (the watchdog should have killed it)."""
+    """Never leave a stopped process behind (the watchdog should have killed it). By its
+    psutil.Process, which signals nothing once the pid is another's: the suite goes through
+    the 32,768 pids in a minute or two, and a signal to a pid that came back as a thread id
+    ends that thread's whole process (a raylet, the GCS, a test's worker)."""
     if stopped:
         try:
-            os.kill(stopped["pid"], signal.SIGKILL)
-        except ProcessLookupError:
+            stopped["proc"].kill()
+        except psutil.Error:
             pass
 
 
@@ -260,8 +304,6 @@ def test_a_save_whose_writer_is_stopped_restarts_the_group(ray_cluster, corpus, 
     frozen during the save at iteration 4: the directory stops growing, the watchdog names
     the stalled save within hang_timeout_s + 15 s, kills the ranks and their writers, and the
     group restores from memory with the uninterrupted run's losses."""
-    import psutil
-
     from test_checkpoint import _logged, run_workers
 
     out, timeout = tmp_path_factory.mktemp("hang_in_save"), 10
@@ -284,8 +326,9 @@ def test_a_save_whose_writer_is_stopped_restarts_the_group(ray_cluster, corpus, 
 
     final, row, stopped = _hung_run(corpus, out, freeze, timeout)
     assert "wrote nothing" in row["cause"] and "after iteration 4" in row["cause"], row["cause"]
-    assert not psutil.pid_exists(stopped["pid"]) or \
-        psutil.Process(stopped["pid"]).status() == psutil.STATUS_ZOMBIE, "the writer outlived it"
+    writer = stopped["proc"]
+    assert not writer.is_running() or writer.status() == psutil.STATUS_ZOMBIE, \
+        "the writer outlived it"
     _assert_restarted_exactly(final, row, stopped, timeout, uninterrupted, out)
 
 
@@ -363,14 +406,9 @@ def test_sigstopped_worker_restarts_the_group_exactly(ray_cluster, corpus, unint
         time.sleep(0.5)
         workers = run_workers(out)
         if workers and not stop.is_set():
-            os.kill(workers[-1].pid, signal.SIGSTOP)
-            stopped.update(pid=workers[-1].pid, at=time.time())
+            _stop_process(stopped, workers[-1])
         stop.wait()
-        if stopped:  # never leave a stopped process behind
-            try:
-                os.kill(stopped["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _release(stopped)
 
     final, _ = launch_while(cfg, plan, freeze)
     assert stopped, "no worker was stopped"

@@ -76,12 +76,16 @@ class Beacon:
     """One rank's progress and heartbeat files (module docstring). No Ray."""
 
     def __init__(self, root: Path, token: str, rank: int, world: int, node_id: str) -> None:
+        import psutil
+
         self.dir = progress_dir(root, token)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self._steps: list[float] = []
         self._last: Optional[float] = None
-        self._info = {"rank": rank, "world": world, "pid": os.getpid(), "node": node_id,
+        # the pid with its start time: a pid is only this process while that matches
+        self._info = {"rank": rank, "world": world, "pid": os.getpid(),
+                      "pid_started": psutil.Process().create_time(), "node": node_id,
                       "group_started": time.time(), "iteration": None, "state": "starting",
                       "time": time.time(), "step_s": None, "save_dirs": []}
         self._lock = threading.Lock()
@@ -244,26 +248,35 @@ def save_bytes(dirs: set) -> int:
     return total
 
 
-def _end_process(pid: int, stacks: str) -> str:
+def _end_process(pid: int, started: float, stacks: str) -> str:
     """On the rank's node: its stacks (SIGUSR1, faulthandler), then SIGKILL for it and its
-    child processes (a save's writers, which would outlive it, stopped or stuck)."""
+    child processes (a save's writers, which would outlive it, stopped or stuck). Nothing is
+    signalled if ``pid`` is no longer the rank's process (its start time is not ``started``):
+    a rank that died unseen leaves its pid to the next process or thread, and Linux goes
+    through its 32,768 pids in minutes on a busy node."""
     import psutil
 
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - started) > 0.01:
+            raise psutil.NoSuchProcess(pid)
+    except psutil.Error:
+        return "(none: its process had already ended)"
     text = ""
     try:
-        os.kill(pid, signal.SIGUSR1)
+        proc.send_signal(signal.SIGUSR1)
         time.sleep(2.0)  # a stopped process dumps nothing; a stuck one in milliseconds
         text = Path(stacks).read_text()[-4000:]
-    except OSError:
+    except (OSError, psutil.Error):
         pass
     try:
-        children = psutil.Process(pid).children(recursive=True)
+        family = [proc] + proc.children(recursive=True)
     except psutil.Error:
-        children = []
-    for proc in [pid] + [c.pid for c in children]:
+        family = [proc]
+    for member in family:
         try:
-            os.kill(proc, signal.SIGKILL)
-        except ProcessLookupError:
+            member.kill()  # psutil checks the pid is still that process first
+        except psutil.Error:
             pass
     return text
 
@@ -315,7 +328,8 @@ class Watchdog:
         task = ray.remote(_end_process)
         refs = {task.options(num_cpus=0, max_retries=0, scheduling_strategy=(
             NodeAffinitySchedulingStrategy(r["node"], soft=False))).remote(
-            r["pid"], str(progress_dir(self.root, self.token) / f"stacks_{r['rank']}.txt")): r
+            r["pid"], r["pid_started"],
+            str(progress_dir(self.root, self.token) / f"stacks_{r['rank']}.txt")): r
             for r in stalled}
         for ref, r in refs.items():
             try:
