@@ -12,8 +12,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# every run also prints the machine's busy CPU time and its ten heaviest tests by it
-pytest_plugins = ("cpu_time",)
+# every run also prints the machine's busy CPU time and its ten heaviest tests by it; a run
+# whose process dies without pytest's summary says in which test and what Ray's logs say
+pytest_plugins = ("cpu_time", "session_watch")
 
 
 class _RankJobs:
@@ -144,8 +145,11 @@ def prelaunched(request, tmp_path_factory):
     if wanted:  # in the helper or, RAY_PPU_TESTS_PRELAUNCH=0, here: on the session's Ray
         ray = request.getfixturevalue("ray_cluster")
         if ENABLED:
-            runs.start(ray.get_runtime_context().gcs_address,
-                       tmp_path_factory.getbasetemp() / "prelaunch.log")
+            import session_watch
+
+            log = tmp_path_factory.getbasetemp() / "prelaunch.log"
+            runs.start(ray.get_runtime_context().gcs_address, log)
+            session_watch.tell(session_watch.HELPER, str(log))
     yield runs
     runs.close()
 
