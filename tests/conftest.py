@@ -174,8 +174,14 @@ def ray_cluster():
     # launches in subprocesses start theirs beside it)
     ray_connect.start_local(num_cpus=8, resources={"PPU": SIMULATED_PPUS}, log_to_driver=True)
     yield ray
-    ray.shutdown()
-    ray_connect.unpin()
+
+    def shutdown_ray() -> None:
+        ray.shutdown()
+        ray_connect.unpin()
+
+    import session_watch  # the plugin (pytest_plugins): after pytest's summary, with a limit
+
+    session_watch.shutdown_at_end(shutdown_ray)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,11 @@ before it finished, the watcher prints the test it was in and the errors of the 
 Ray logs: its driver's own (found by its pid), the raylet's and the GCS's, and the tail of
 the prelaunch helper's output. It exits when the session's process does, printing nothing
 otherwise.
+
+The session's own Ray is shut down after pytest's summary, and not waited for beyond
+:data:`SHUTDOWN_S` (:func:`shutdown_ray`): Ray's shutdown can hang for good in closing its GCS
+subscribers (ray-project/ray#44836, #45044; seen twice here after a full run), which would
+hold CI for its 90 minutes after every test passed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 from pathlib import Path
 
 POLL_S = 0.5
+SHUTDOWN_S = 60.0  # ray.shutdown() of the session's Ray takes 2 to 5 s on 2 cores
 RUNNING, FINISHED = "running", "finished"  # the files pytest writes in the watch directory
 LINES = 12  # per log
 
@@ -55,8 +61,52 @@ def pytest_runtest_logstart(nodeid, location) -> None:
     tell(RUNNING, nodeid)
 
 
+_status: list[int] = []  # the session's exit status, once it finished
+_at_end: list = []  # what shuts down the session's Ray (conftest's ray_cluster)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    _status[:] = [int(exitstatus)]
+
+
+def shutdown_at_end(shutdown) -> None:
+    """Call ``shutdown`` (the session's Ray's) after pytest's summary, guarded as
+    :func:`guarded` guards it."""
+    _at_end.append(shutdown)
+
+
 def pytest_unconfigure(config) -> None:
     tell(FINISHED, "")
+    for shutdown in _at_end:
+        guarded(shutdown, SHUTDOWN_S, _status[0] if _status else 1)
+
+
+def guarded(shutdown, timeout_s: float, status: int) -> None:
+    """``shutdown()``; if it has not returned in ``timeout_s``, say so on stderr, kill this
+    process's children (the Ray it started: GCS, raylet and the rest, and their workers) and
+    end with ``status``, the session's own."""
+    import threading
+
+    def give_up() -> None:
+        import psutil
+
+        print(f"session_watch: {getattr(shutdown, '__qualname__', shutdown)} did not return in "
+              f"{timeout_s:.0f} s (a known Ray hang); ending the session with its status "
+              f"{status}", file=sys.__stderr__, flush=True)
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        os._exit(status)
+
+    timer = threading.Timer(timeout_s, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        shutdown()
+    finally:
+        timer.cancel()
 
 
 def _errors(path: str, levels: tuple = (" E ", " F ", " C ")) -> list[str]:

@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 import session_watch
 
 GCS_LOST = ("[2026-12-05 16:00:00,000 E 123 456] gcs_rpc_client.h:203: Failed to connect to "
@@ -59,3 +61,34 @@ def test_a_session_that_finished_is_not_reported(tmp_path):
     finally:
         session.kill()
         session.wait()
+
+
+def test_a_shutdown_that_hangs_ends_the_session_with_its_status_and_its_children():
+    """The session's Ray is shut down after the summary; a shutdown that does not return in
+    time (Ray's known hang in closing its GCS subscribers) ends the process with the
+    session's status, its child processes (the Ray it started) killed; one that returns
+    ends nothing."""
+    script = f"""
+import subprocess, sys, time
+sys.path.insert(0, {str(Path(session_watch.__file__).parent)!r})
+import psutil
+
+import session_watch
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+session_watch.guarded(lambda: time.sleep(0.1), 5.0, 4)
+print("returned", flush=True)
+session_watch.guarded(lambda: time.sleep(60), 1.0, 3)
+print("not reached", flush=True)
+"""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 3 and time.monotonic() - started < 15, proc
+    child, said = proc.stdout.split()[:2]
+    assert said == "returned" and "not reached" not in proc.stdout, proc.stdout
+    assert "did not return in 1 s" in proc.stderr and "status 3" in proc.stderr, proc.stderr
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(int(child)) and psutil.Process(int(child)).status() != "zombie":
+        assert time.monotonic() < deadline, "the session's child outlived it"
+        time.sleep(0.1)
