@@ -20,7 +20,11 @@ def test_a_listed_pid_is_used_only_while_it_is_still_a_ray_worker_started_before
     thread = threading.Thread(target=stop.wait)
     thread.start()
     try:
-        started = psutil.Process(worker.pid).create_time()
+        proc, deadline = psutil.Process(worker.pid), time.monotonic() + 30
+        while proc.cmdline()[:1] != ["ray::_Reader"]:  # forked, not yet the program it runs
+            assert time.monotonic() < deadline, proc.cmdline()
+            time.sleep(0.01)
+        started = proc.create_time()
         row = {"pid": worker.pid, "class_name": "_Reader"}
         assert _actor_process(row, asked=started + 5.0).pid == worker.pid
         # the same pid listed before this process began: the listed actor's pid, reused
