@@ -184,11 +184,16 @@ def ray_cluster():
         ours = psutil.Process().children(recursive=True)
         ray.shutdown()
         ray_connect.unpin()
-        for leftover in psutil.wait_procs(ours, timeout=10)[1]:
+        named = []
+        for proc in psutil.wait_procs(ours, timeout=10)[1]:
             try:
-                leftover.kill()
+                named.append(" ".join(proc.cmdline()[:1]) or proc.name())
+                proc.kill()
             except psutil.Error:
                 pass
+        if named:
+            print(f"conftest: killed what Ray's shutdown left behind: {', '.join(sorted(named))}",
+                  file=sys.__stderr__, flush=True)
 
     import session_watch  # the plugin (pytest_plugins): after pytest's summary, with a limit
 
