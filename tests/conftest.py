@@ -178,10 +178,19 @@ def ray_cluster():
     def shutdown_ray() -> None:
         import psutil
 
-        # what this session started: the Ray head and every process of it, the prelaunched
-        # runs' included. Ray's shutdown ends them; one left (twice in seven full runs, a
-        # prelaunched run's TrainController, its raylet gone) is killed here, not left behind
-        ours = psutil.Process().children(recursive=True)
+        # the Ray this session started (its head's processes: the package's binaries and
+        # scripts) and every process under them, the prelaunched runs' included; not the
+        # session's other children (W&B's service, ended by W&B at exit). Ray's shutdown ends
+        # them; one left (twice in seven full runs, a prelaunched run's TrainController, its
+        # raylet gone) is killed here, not left behind
+        package = os.path.dirname(ray.__file__)
+        ours = []
+        for child in psutil.Process().children():
+            try:
+                if any(package in part for part in child.cmdline()):
+                    ours += [child, *child.children(recursive=True)]
+            except psutil.Error:
+                continue
         ray.shutdown()
         ray_connect.unpin()
         named = []
