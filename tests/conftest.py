@@ -175,6 +175,8 @@ def ray_cluster():
     ray_connect.start_local(num_cpus=8, resources={"PPU": SIMULATED_PPUS}, log_to_driver=True)
     yield ray
 
+    import session_watch  # the plugin (pytest_plugins)
+
     def shutdown_ray() -> None:
         import psutil
 
@@ -193,20 +195,12 @@ def ray_cluster():
                 continue
         ray.shutdown()
         ray_connect.unpin()
-        named = []
-        for proc in psutil.wait_procs(ours, timeout=10)[1]:
-            try:
-                named.append(" ".join(proc.cmdline()[:1]) or proc.name())
-                proc.kill()
-            except psutil.Error:
-                pass
-        if named:
-            print(f"conftest: killed what Ray's shutdown left behind: {', '.join(sorted(named))}",
+        killed = session_watch.kill(psutil.wait_procs(ours, timeout=10)[1])
+        if killed:
+            print(f"conftest: killed what Ray's shutdown left behind: {', '.join(sorted(killed))}",
                   file=sys.__stderr__, flush=True)
 
-    import session_watch  # the plugin (pytest_plugins): after pytest's summary, with a limit
-
-    session_watch.shutdown_at_end(shutdown_ray)
+    session_watch.shutdown_at_end(shutdown_ray)  # after pytest's summary, with a limit
 
 
 @pytest.fixture(scope="session")

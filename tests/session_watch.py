@@ -13,7 +13,7 @@ the prelaunch helper's output. It exits when the session's process does, printin
 otherwise.
 
 The session's own Ray is shut down after pytest's summary, and not waited for beyond
-:data:`SHUTDOWN_S` (:func:`shutdown_ray`): Ray's shutdown can hang for good in closing its GCS
+:data:`SHUTDOWN_S` (:func:`shutdown_at_end`): Ray's shutdown can hang for good in closing its GCS
 subscribers (ray-project/ray#44836, #45044; seen twice here after a full run), which would
 hold CI for its 90 minutes after every test passed.
 """
@@ -93,11 +93,7 @@ def guarded(shutdown, timeout_s: float, status: int) -> None:
         print(f"session_watch: {getattr(shutdown, '__qualname__', shutdown)} did not return in "
               f"{timeout_s:.0f} s (a known Ray hang); ending the session with its status "
               f"{status}", file=sys.__stderr__, flush=True)
-        for child in psutil.Process().children(recursive=True):
-            try:
-                child.kill()
-            except psutil.Error:
-                pass
+        kill(psutil.Process().children(recursive=True))
         os._exit(status)
 
     timer = threading.Timer(timeout_s, give_up)
@@ -107,6 +103,22 @@ def guarded(shutdown, timeout_s: float, status: int) -> None:
         shutdown()
     finally:
         timer.cancel()
+
+
+def kill(procs: list) -> list[str]:
+    """SIGKILL each psutil.Process of ``procs`` still running (psutil checks its pid is still
+    that process); the names of those killed."""
+    import psutil
+
+    killed = []
+    for proc in procs:
+        try:
+            name = " ".join(proc.cmdline()[:1]) or proc.name()
+            proc.kill()
+            killed.append(name)
+        except psutil.Error:
+            pass
+    return killed
 
 
 def _errors(path: str, levels: tuple = (" E ", " F ", " C ")) -> list[str]:
@@ -138,11 +150,12 @@ def report(pid: int, watch_dir: Path, ray_tmp: str) -> str:
         return "\n".join(out + ["session_watch: no Ray driver log of that pid"])
     logs = Path(drivers[-1]).parent
     out.append(f"session_watch: its Ray logs: {logs}")
-    helper = _tail(str(watch_dir / HELPER))
     sections = [(drivers[-1], _errors(drivers[-1])),
                 *[(str(logs / n), _errors(str(logs / n))) for n in ("raylet.out", "gcs_server.out")],
-                *[(str(logs / n), _tail(str(logs / n))) for n in ("raylet.err", "gcs_server.err")],
-                *[(helper[0], _tail(helper[0])) for _ in helper[:1]]]
+                *[(str(logs / n), _tail(str(logs / n))) for n in ("raylet.err", "gcs_server.err")]]
+    helper = _tail(str(watch_dir / HELPER))  # the file conftest named, if it did
+    if helper:
+        sections.append((helper[0], _tail(helper[0])))
     for path, lines in sections:
         if lines:
             out.append(f"--- {path}")

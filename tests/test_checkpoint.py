@@ -351,15 +351,16 @@ def run_workers(out: Path) -> list:
     the session's Ray beside it (tests/prelaunch.py)."""
     import psutil
 
+    from ray_ppu.recovery.watchdog import rank_process
+
     workers = []
     for path in sorted(Path(out).glob("ray_train/*/progress/*/rank_*.json")):
         try:
             rank = json.loads(path.read_text())
-            proc = psutil.Process(rank["pid"])
-            # the rank's process still, not its pid used again (the suite goes through the
-            # 32,768 pids in minutes), and not exiting (no command line then)
-            if (abs(proc.create_time() - rank["pid_started"]) < 0.01
-                    and proc.status() != psutil.STATUS_ZOMBIE and proc.cmdline()):
+            # the rank's process still, not its pid used again, and not exiting (no command
+            # line then)
+            proc = rank_process(rank["pid"], rank["pid_started"])
+            if proc is not None and proc.status() != psutil.STATUS_ZOMBIE and proc.cmdline():
                 workers.append(proc)
         except (OSError, ValueError, KeyError, psutil.Error):  # being written, or gone
             continue

@@ -248,19 +248,28 @@ def save_bytes(dirs: set) -> int:
     return total
 
 
-def _end_process(pid: int, started: float, stacks: str) -> str:
-    """On the rank's node: its stacks (SIGUSR1, faulthandler), then SIGKILL for it and its
-    child processes (a save's writers, which would outlive it, stopped or stuck). Nothing is
-    signalled if ``pid`` is no longer the rank's process (its start time is not ``started``):
-    a rank that died unseen leaves its pid to the next process or thread, and Linux goes
-    through its 32,768 pids in minutes on a busy node."""
+def rank_process(pid: int, started: float):
+    """The psutil.Process of a rank's progress file (its ``pid`` and ``pid_started``), or None
+    once that pid is no longer the rank's process: a rank that died unseen leaves its pid to
+    the next process or thread, and Linux goes through its 32,768 pids in minutes on a busy
+    node."""
     import psutil
 
     try:
         proc = psutil.Process(pid)
-        if abs(proc.create_time() - started) > 0.01:
-            raise psutil.NoSuchProcess(pid)
+        return proc if abs(proc.create_time() - started) < 0.01 else None
     except psutil.Error:
+        return None
+
+
+def _end_process(pid: int, started: float, stacks: str) -> str:
+    """On the rank's node: its stacks (SIGUSR1, faulthandler), then SIGKILL for it and its
+    child processes (a save's writers, which would outlive it, stopped or stuck). Nothing is
+    signalled if ``pid`` is no longer the rank's process (:func:`rank_process`)."""
+    import psutil
+
+    proc = rank_process(pid, started)
+    if proc is None:
         return "(none: its process had already ended)"
     text = ""
     try:
